@@ -1,0 +1,298 @@
+"""Autoregressive and self-speculative decoding on one model and one cache.
+
+Both methods run through the same :class:`_Run`: the same forward call
+(:meth:`_Run.forward`, which seeks the cache and passes absolute positions
+explicitly), the same token bookkeeping and the same :class:`Clock`. The
+autoregressive baseline is the loop of plain steps; self-speculative decoding
+replaces plain steps by rounds of ``draft k tokens with the plan's sublayers
+skipped -> verify k+1 positions in one full-depth forward``.
+
+Invariants:
+- the loop owns positions: ``self.pos`` is the absolute position of the
+  pending token (emitted, not yet run through the full model); every slot
+  below ``pos`` holds full-model keys/values in every layer;
+- rejected drafts are rolled back by not advancing ``pos`` past them (the
+  cache is never copied or cropped);
+- greedy self-speculative output is token-identical to greedy
+  autoregressive output (up to floating-point differences between a
+  one-token and a multi-token forward); sampling keeps the target
+  distribution (see :mod:`selfspec.sampling`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import PositionalKVCache
+from .errors import SelfSpecError
+from .plan import SkipPlan
+from .sampling import SamplingParams, probs_from_logits, sample, verify_greedy, verify_sampling
+from .skip import layer_skipper
+from .stats import Clock, DecodeStats
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How to decode. ``k`` is the (maximum) number of drafted tokens per round.
+
+    Adaptive draft exit (Draft & Verify): drafting stops after a token whose
+    draft probability is below ``threshold``; after each round the threshold
+    moves up by ``threshold_step`` when the running acceptance is under
+    ``target_acceptance`` and down otherwise.
+
+    Fallback: after ``fallback_min_rounds`` rounds, when the running
+    tokens-per-round times the verify time falls under the running round
+    time (speculation predicted slower than plain decoding), the request
+    continues with plain steps and the stats record where.
+    """
+
+    max_new_tokens: int = 128
+    k: int = 4
+    adaptive: bool = False
+    threshold: float = 0.5
+    threshold_step: float = 0.05
+    target_acceptance: float = 0.7
+    fallback: bool = True
+    fallback_min_rounds: int = 8
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise SelfSpecError(f"k (draft tokens per round) must be an integer >= 1, got {self.k!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise SelfSpecError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if not 0.0 <= self.threshold < 1.0:
+            raise SelfSpecError(f"threshold must be in [0, 1), got {self.threshold}")
+
+
+@dataclass
+class Generation:
+    """New token ids (EOS included when it ended the request) and the raw stats."""
+
+    tokens: list[int]
+    stats: DecodeStats
+
+
+def context_length(model) -> int | None:
+    cfg = model.config.get_text_config(decoder=True)
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+class _Run:
+    """State of one generation request: cache, positions, tokens, stats."""
+
+    def __init__(self, model, prompt_ids, cfg: DecodeConfig, eos_ids, method: str, extra_slots: int) -> None:
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise SelfSpecError("the prompt is empty: give at least one token")
+        n_ctx = context_length(model)
+        need = ids.numel() + cfg.max_new_tokens
+        if n_ctx is not None and need > n_ctx:
+            raise SelfSpecError(
+                f"the prompt has {ids.numel()} tokens; with max_new_tokens={cfg.max_new_tokens} that is "
+                f"{need} positions, more than the model's context of {n_ctx}"
+            )
+        self.model = model
+        self.cfg = cfg
+        self.device = next(model.parameters()).device
+        self.prompt = ids.to(self.device)
+        self.eos = frozenset(int(e) for e in eos_ids)
+        self.cache = PositionalKVCache(model, max_len=need + extra_slots)
+        self.positions = torch.arange(self.cache.max_len, device=self.device).unsqueeze(0)
+        self.clock = Clock(self.device)
+        self.stats = DecodeStats(method=method, prompt_tokens=ids.numel())
+        self.generator = None
+        if not cfg.sampling.greedy:
+            self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.out: list[int] = []
+        self.pos = 0
+        self.pending = -1
+        self.done = cfg.max_new_tokens == 0
+        self.t_start = 0.0
+
+    # -- the one forward both methods use ------------------------------------------
+    def forward(self, tokens: torch.Tensor, start: int, keep: int) -> torch.Tensor:
+        """Logits ``[keep, V]`` for the last ``keep`` of ``tokens`` placed at ``start..``."""
+        n = tokens.shape[-1]
+        self.cache.seek(start, n)
+        out = self.model(
+            input_ids=tokens.reshape(1, n),
+            position_ids=self.positions[:, start : start + n],
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        return out.logits[0]
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The target's choice from one row of logits (argmax or a sample of p)."""
+        if self.cfg.sampling.greedy:
+            return int(logits.argmax(-1))
+        return int(sample(probs_from_logits(logits, self.cfg.sampling), self.generator))
+
+    # -- bookkeeping shared by both methods ------------------------------------------
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Append tokens, stopping at EOS and at max_new_tokens; returns what was kept."""
+        room = self.cfg.max_new_tokens - len(self.out)
+        kept = tokens[:room]
+        for i, t in enumerate(kept):
+            if t in self.eos:
+                kept = kept[: i + 1]
+                self.stats.stop_reason = "eos"
+                self.done = True
+                break
+        self.out.extend(kept)
+        if len(self.out) >= self.cfg.max_new_tokens and not self.done:
+            self.stats.stop_reason = "max_new_tokens"
+            self.done = True
+        return kept
+
+    def start(self) -> None:
+        """Prefill the prompt and emit the first token (time to first token)."""
+        self.t_start = self.clock.now()
+        if self.done:
+            self.stats.stop_reason = "max_new_tokens"
+            return
+        logits = self.forward(self.prompt, 0, keep=1)
+        first = self.pick(logits[-1])
+        self.pos = self.prompt.numel()
+        self.pending = first
+        self.emit([first])
+        self.stats.ttft = self.stats.prefill_time = self.clock.now() - self.t_start
+        self.stats.new_tokens = 1
+
+    def plain_step(self) -> None:
+        """One full-depth forward of the pending token; emits the next token."""
+        t0 = self.clock.now()
+        logits = self.forward(self.token_tensor([self.pending]), self.pos, keep=1)
+        nxt = self.pick(logits[-1])
+        self.pos += 1
+        self.pending = nxt
+        kept = self.emit([nxt])
+        dt = self.clock.now() - t0
+        self.stats.plain_steps += 1
+        self.stats.step_time += dt
+        self.stats.record_tokens(len(kept), dt)
+
+    def token_tensor(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long, device=self.device)
+
+    def finish(self) -> Generation:
+        self.stats.total_time = self.clock.now() - self.t_start
+        return Generation(tokens=list(self.out), stats=self.stats)
+
+
+def autoregressive(model, prompt_ids, cfg: DecodeConfig, eos_ids=()) -> Generation:
+    """Plain decoding: one full-depth forward per new token."""
+    run = _Run(model, prompt_ids, cfg, eos_ids, "autoregressive", extra_slots=1)
+    with torch.inference_mode():
+        run.start()
+        while not run.done:
+            run.plain_step()
+    return run.finish()
+
+
+class _Speculator:
+    """Draft / verify rounds on top of a :class:`_Run`."""
+
+    def __init__(self, run: _Run, plan: SkipPlan) -> None:
+        self.run = run
+        self.cfg = run.cfg
+        self.plan = plan
+        self.skipper = layer_skipper(run.model)
+        self.threshold = self.cfg.threshold
+        self.ema_acceptance: float | None = None
+        self.ema_tokens: float | None = None
+        self.ema_verify: float | None = None
+        self.ema_round: float | None = None
+        self.speculating = True
+
+    def draft(self, k: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Up to ``k`` draft tokens from the skipping model, starting at the pending token."""
+        run, greedy = self.run, self.cfg.sampling.greedy
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        x = run.pending
+        with self.skipper.skipping(self.plan):
+            for j in range(k):
+                logits = run.forward(run.token_tensor([x]), run.pos + j, keep=1)[-1]
+                if greedy:
+                    x = int(logits.argmax(-1))
+                    conf = float(logits.float().softmax(-1).max()) if self.cfg.adaptive else 1.0
+                else:
+                    q = probs_from_logits(logits, self.cfg.sampling)
+                    x = int(sample(q, run.generator))
+                    qs.append(q)
+                    conf = float(q.max())
+                drafts.append(x)
+                if self.cfg.adaptive and conf < self.threshold:
+                    break
+        return drafts, qs
+
+    def verify(self, drafts: list[int], qs: list[torch.Tensor]) -> tuple[int, int]:
+        run = self.run
+        tokens = run.token_tensor([run.pending] + drafts)
+        logits = run.forward(tokens, run.pos, keep=len(drafts) + 1)
+        draft_t = tokens[1:]
+        if self.cfg.sampling.greedy:
+            return verify_greedy(draft_t, logits)
+        p = probs_from_logits(logits, self.cfg.sampling)
+        return verify_sampling(draft_t, torch.stack(qs), p, run.generator)
+
+    def round(self) -> None:
+        run, stats = self.run, self.run.stats
+        k = min(self.cfg.k, self.cfg.max_new_tokens - len(run.out) - 1)
+        if k < 1 or not self.speculating:
+            run.plain_step()
+            return
+        t0 = run.clock.now()
+        drafts, qs = self.draft(k)
+        t1 = run.clock.now()
+        n, nxt = self.verify(drafts, qs)
+        run.pos += n + 1
+        run.pending = nxt
+        kept = run.emit(drafts[:n] + [nxt])
+        t2 = run.clock.now()
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.record_round(len(drafts), n)
+        stats.record_tokens(len(kept), t2 - t0)
+        self.adapt(len(drafts), n, t2 - t1, t2 - t0)
+
+    def adapt(self, drafted: int, accepted: int, verify_time: float, round_time: float) -> None:
+        ema = _ema
+        self.ema_acceptance = ema(self.ema_acceptance, accepted / drafted)
+        if self.cfg.adaptive:
+            step = self.cfg.threshold_step
+            up = self.ema_acceptance < self.cfg.target_acceptance
+            self.threshold = min(0.99, max(0.0, self.threshold + (step if up else -step)))
+        self.ema_tokens = ema(self.ema_tokens, accepted + 1.0)
+        self.ema_verify = ema(self.ema_verify, verify_time)
+        self.ema_round = ema(self.ema_round, round_time)
+        if (
+            self.cfg.fallback
+            and self.run.stats.rounds >= self.cfg.fallback_min_rounds
+            and self.ema_tokens * self.ema_verify < self.ema_round
+        ):
+            self.speculating = False
+            self.run.stats.fell_back_at = len(self.run.out)
+
+
+def _ema(old: float | None, new: float, beta: float = 0.8) -> float:
+    return new if old is None else beta * old + (1.0 - beta) * new
+
+
+def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_ids=()) -> Generation:
+    """Draft with ``plan``'s sublayers skipped, verify with the full model, on one cache."""
+    skipper = layer_skipper(model)
+    plan.check_model(skipper.num_layers)
+    run = _Run(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=cfg.k + 1)
+    spec = _Speculator(run, plan)
+    with torch.inference_mode():
+        run.start()
+        while not run.done:
+            spec.round()
+    return run.finish()
