@@ -1,0 +1,115 @@
+"""Speculative sampling keeps the target distribution.
+
+Each statistical test compares empirical counts with exact probabilities by a
+chi-square test and fails when its p-value is below ALPHA = 1e-6: a correct
+implementation fails each such test with probability at most 1e-6 (seeds are
+fixed, so in practice a given run always passes or always fails).
+"""
+
+import math
+
+import pytest
+import torch
+
+from selfspec import DecodeConfig, SamplingParams, SkipPlan, self_speculative
+from selfspec.sampling import probs_from_logits, verify_greedy, verify_sampling
+
+ALPHA = 1e-6
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """Survival function of the chi-square distribution (regularized upper gamma, series form)."""
+    s, z = df / 2.0, x / 2.0
+    if z <= 0:
+        return 1.0
+    term = total = 1.0 / s
+    n = 1
+    while term > 1e-16 * total:
+        term *= z / (s + n)
+        total += term
+        n += 1
+    lower = math.exp(s * math.log(z) - z - math.lgamma(s)) * total
+    return max(0.0, 1.0 - lower)
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum().item()
+    expected = probs.double() * n
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token with target probability 0 was produced"
+    stat = ((counts[keep].double() - expected[keep]) ** 2 / expected[keep]).sum().item()
+    return chi2_sf(stat, int(keep.sum()) - 1)
+
+
+def test_chi2_helper_against_known_values():
+    assert chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, abs=1e-9)
+    assert chi2_sf(9.487729036781154, 4) == pytest.approx(0.05, abs=1e-9)
+
+
+def test_verify_sampling_first_token_is_distributed_as_p():
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.05, 0.40, 0.10, 0.30, 0.15, 0.0])
+    q = torch.tensor([0.30, 0.10, 0.20, 0.05, 0.05, 0.30])  # puts mass where p has none
+    n = 20_000
+    counts = torch.zeros(6)
+    accepted = 0
+    for _ in range(n):
+        x = torch.multinomial(q, 1, generator=g)
+        k_acc, nxt = verify_sampling(x, q[None], torch.stack([p, p]), g)
+        first = int(x) if k_acc == 1 else nxt
+        counts[first] += 1
+        accepted += k_acc
+    assert chi2_pvalue(counts, p) > ALPHA
+    expected_acceptance = torch.minimum(p, q).sum().item()  # sum_x min(p, q)
+    assert abs(accepted / n - expected_acceptance) < 5 * math.sqrt(0.25 / n)
+
+
+def test_verify_greedy():
+    logits = torch.tensor([[0.0, 5, 0], [9, 0, 0], [0, 0, 3]])
+    assert verify_greedy(torch.tensor([1, 0]), logits) == (2, 2)
+    assert verify_greedy(torch.tensor([1, 2]), logits) == (1, 0)
+    assert verify_greedy(torch.tensor([0, 0]), logits) == (0, 1)
+
+
+def test_top_k_top_p_filters():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(p, torch.tensor([0.625, 0.375, 0, 0]))
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    torch.testing.assert_close(p, torch.tensor([0.625, 0.375, 0, 0]))
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.81))
+    assert (p > 0).sum() == 3
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=6)])
+def test_engine_samples_the_target_distribution(make_model, params):
+    """Tokens 2 and 3 of a request (made by draft/verify rounds) follow the model's own distribution."""
+    vocab = 8
+    model = make_model("llama", torch.float64, vocab)
+    prompt = [1, 5, 3, 6]
+    plan = SkipPlan(4, attn=(1,), mlp=(1, 2))
+    # exact marginals of tokens 2 and 3 by enumerating the first two tokens
+    with torch.inference_mode():
+        def dist(ctx):
+            return probs_from_logits(model(input_ids=torch.tensor([ctx])).logits[0, -1], params).double()
+        p1 = dist(prompt)
+        p2 = torch.zeros(vocab, dtype=torch.float64)
+        p3 = torch.zeros(vocab, dtype=torch.float64)
+        for a in range(vocab):
+            pa = dist(prompt + [a])
+            p2 += p1[a] * pa
+            for b in range(vocab):
+                p3 += p1[a] * pa[b] * dist(prompt + [a, b])
+    n = 1500
+    c2, c3 = torch.zeros(vocab), torch.zeros(vocab)
+    drafted = accepted = 0
+    for seed in range(n):
+        cfg = DecodeConfig(max_new_tokens=3, k=2, sampling=params, seed=seed, fallback=False)
+        g = self_speculative(model, prompt, plan, cfg)
+        c2[g.tokens[1]] += 1
+        c3[g.tokens[2]] += 1
+        drafted += g.stats.drafted
+        accepted += g.stats.accepted
+    assert 0 < accepted < drafted  # both the accept and the residual-resample paths ran
+    assert chi2_pvalue(c2, p2) > ALPHA
+    assert chi2_pvalue(c3, p3) > ALPHA
