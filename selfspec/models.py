@@ -200,6 +200,8 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     stop: tuple[str, ...] = ()
+    if name_or_path.startswith("tiny-"):
+        return _tiny(name_or_path, torch_dtype, device)
     if name_or_path in MODELS:
         path = str(ensure_packaged_model(name_or_path, cache))
         stop = MODELS[name_or_path].stop_tokens
@@ -224,6 +226,18 @@ def load_model(
     stop = stop or ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>")
     eos = _eos_ids(tokenizer, model, stop)
     return LoadedModel(name_or_path, model, tokenizer, eos, source, {"dtype": str(torch_dtype).removeprefix("torch.")})
+
+
+def _tiny(name: str, dtype: torch.dtype, device: str) -> LoadedModel:
+    from .tiny import TINY_ARCHS, TINY_VOCAB, ByteTokenizer, tiny_model
+
+    arch = name.split("-", 1)[1]
+    if arch not in TINY_ARCHS:
+        raise SelfSpecError(f"unknown tiny model {name!r}; choose from {', '.join('tiny-' + a for a in TINY_ARCHS)}")
+    model = tiny_model(arch, dtype=dtype, vocab_size=TINY_VOCAB).to(device)
+    tok = ByteTokenizer()
+    return LoadedModel(name, model, tok, frozenset({tok.eos_token_id}), f"tiny-{arch}",
+                       {"dtype": str(dtype).removeprefix("torch.")})
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:

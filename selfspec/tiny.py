@@ -59,3 +59,23 @@ def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.fl
                 p.normal_(0.0, 0.5 / p.shape[1] ** 0.5 * 4.0, generator=None)
     model.eval()
     return model
+
+
+class ByteTokenizer:
+    """A stand-in tokenizer for tiny models: one token per UTF-8 byte, ids offset by 4."""
+
+    chat_template = None
+    eos_token_id = 2
+    offset = 4
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [b + self.offset for b in text.encode("utf-8")]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(i - self.offset for i in ids if self.offset <= i < 256 + self.offset).decode("utf-8", "replace")
+
+    def get_vocab(self) -> dict:
+        return {"<eos>": self.eos_token_id}
+
+
+TINY_VOCAB = 256 + ByteTokenizer.offset

@@ -1,0 +1,182 @@
+"""Cheap, low-noise scoring of skip plans: acceptance without a decode loop, and a cost model.
+
+:class:`AgreementScorer` computes each calibration prompt's full-model greedy
+continuation once and keeps the full-model KV cache of the prompt. Scoring a
+plan is then one forward of the drafting model over the continuation (on top
+of the full-model prompt cache), compared token by token with the
+continuation. From that agreement vector it derives, for every draft length
+``k``, the expected tokens per round ``1 + E[min(k, run)]`` where ``run`` is
+the number of consecutive agreements from a round start.
+
+:class:`CostModel` is measured on this machine: the time of one full-depth
+one-token forward, the time each attention and each MLP sublayer adds to it,
+and the time of a verify forward over ``k+1`` tokens. The predicted speedup of
+a plan at ``k`` is ``tokens_per_round(k) * t_full / (k * t_draft + t_verify(k+1))``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .cache import PositionalKVCache
+from .decoding import DecodeConfig, autoregressive
+from .plan import SkipPlan
+from .skip import layer_skipper
+from .stats import Clock
+
+
+def tokens_per_round(agree: list[bool], k: int) -> float:
+    """Mean over round starts of ``1 + min(k, consecutive agreements from there)``."""
+    if not agree:
+        return 1.0
+    runs = [0] * (len(agree) + 1)
+    for i in range(len(agree) - 1, -1, -1):
+        runs[i] = runs[i + 1] + 1 if agree[i] else 0
+    return 1.0 + sum(min(k, r) for r in runs[:-1]) / len(agree)
+
+
+@dataclass
+class PlanScore:
+    agreement: float  # fraction of continuation tokens the draft predicts
+    tokens_per_round: dict[int, float]  # k -> expected tokens per round
+
+    def acceptance(self, k: int) -> float:
+        """Predicted accepted/drafted at fixed draft length ``k``."""
+        return (self.tokens_per_round[k] - 1.0) / k
+
+
+class AgreementScorer:
+    """Scores plans on calibration prompts against the full model's greedy continuation."""
+
+    def __init__(self, model, prompts: list[list[int]], n_tokens: int, eos_ids=(), k_max: int = 8,
+                 continuations: list[list[int]] | None = None) -> None:
+        self.model = model
+        self.k_max = k_max
+        self.skipper = layer_skipper(model)
+        self.device = next(model.parameters()).device
+        if continuations is None:
+            cfg = DecodeConfig(max_new_tokens=n_tokens)
+            continuations = [autoregressive(model, p, cfg, eos_ids).tokens for p in prompts]
+        self.prompts = [list(p) for p in prompts]
+        self.continuations = [list(c) for c in continuations]
+        self.caches: list[PositionalKVCache] = []
+        with torch.inference_mode():
+            for p, c in zip(self.prompts, self.continuations):
+                cache = PositionalKVCache(model, max_len=len(p) + max(len(c), 1))
+                self._forward(cache, p, 0, keep=1)
+                self.caches.append(cache)
+
+    def _forward(self, cache: PositionalKVCache, tokens: list[int], start: int, keep: int) -> torch.Tensor:
+        n = len(tokens)
+        cache.seek(start, n)
+        out = self.model(
+            input_ids=torch.tensor([tokens], device=self.device),
+            position_ids=torch.arange(start, start + n, device=self.device)[None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        return out.logits[0]
+
+    def agreement_vectors(self, plan: SkipPlan) -> list[list[bool]]:
+        vectors = []
+        with torch.inference_mode(), self.skipper.skipping(plan):
+            for p, c, cache in zip(self.prompts, self.continuations, self.caches):
+                if len(c) < 2:
+                    vectors.append([])
+                    continue
+                logits = self._forward(cache, c[:-1], len(p), keep=len(c) - 1)
+                pred = logits.argmax(-1).tolist()
+                vectors.append([a == b for a, b in zip(pred, c[1:])])
+        return vectors
+
+    def score(self, plan: SkipPlan) -> PlanScore:
+        vectors = self.agreement_vectors(plan)
+        flat = [x for v in vectors for x in v]
+        weights = [len(v) for v in vectors]
+        total = sum(weights) or 1
+        tpr = {
+            k: sum(tokens_per_round(v, k) * w for v, w in zip(vectors, weights)) / total
+            for k in range(1, self.k_max + 1)
+        }
+        return PlanScore(agreement=sum(flat) / max(len(flat), 1), tokens_per_round=tpr)
+
+
+@dataclass
+class CostModel:
+    """Seconds on this machine: one full one-token forward, what each sublayer adds, verify passes."""
+
+    t_full: float
+    t_attn: float  # per attention sublayer
+    t_mlp: float  # per MLP sublayer
+    t_verify: dict[int, float]  # tokens in the verify forward (k+1) -> seconds
+    num_layers: int
+
+    def draft_time(self, plan: SkipPlan) -> float:
+        return max(self.t_full - len(plan.attn) * self.t_attn - len(plan.mlp) * self.t_mlp, 1e-9)
+
+    def predicted_speedup(self, plan: SkipPlan, score: PlanScore) -> tuple[float, int]:
+        """Best predicted speedup over k and the k that reaches it."""
+        t_draft = self.draft_time(plan)
+        best = (0.0, 1)
+        for k, tpr in score.tokens_per_round.items():
+            if k + 1 not in self.t_verify:
+                continue
+            s = tpr * self.t_full / (k * t_draft + self.t_verify[k + 1])
+            best = max(best, (s, k))
+        return best
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["t_verify"] = {str(k): v for k, v in self.t_verify.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(d["t_full"], d["t_attn"], d["t_mlp"], {int(k): v for k, v in d["t_verify"].items()}, d["num_layers"])
+
+
+def measure_costs(model, context: list[int], k_max: int = 8, reps: int = 7) -> CostModel:
+    """Time the forwards the cost model needs (median of ``reps`` after one warm-up each)."""
+    skipper = layer_skipper(model)
+    n = skipper.num_layers
+    device = next(model.parameters()).device
+    clock = Clock(device)
+    ctx = list(context)
+    cache = PositionalKVCache(model, max_len=len(ctx) + k_max + 2)
+    tokens = torch.tensor([ctx], device=device)
+
+    def forward(m: int) -> None:
+        cache.seek(len(ctx), m)
+        model(input_ids=tokens[:, :m], position_ids=torch.arange(len(ctx), len(ctx) + m, device=device)[None],
+              past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    def timed(m: int) -> float:
+        forward(m)
+        times = []
+        for _ in range(reps):
+            t0 = clock.now()
+            forward(m)
+            times.append(clock.now() - t0)
+        return statistics.median(times)
+
+    with torch.inference_mode():
+        cache.seek(0, len(ctx))
+        model(input_ids=tokens, position_ids=torch.arange(len(ctx), device=device)[None],
+              past_key_values=cache, use_cache=True, logits_to_keep=1)
+        t_full = timed(1)
+        with skipper.skipping(SkipPlan(n, attn=tuple(range(n)))):
+            t_no_attn = timed(1)
+        with skipper.skipping(SkipPlan(n, mlp=tuple(range(n)))):
+            t_no_mlp = timed(1)
+        t_verify = {m: timed(m) for m in range(2, min(k_max + 1, len(ctx)) + 1)}
+    return CostModel(
+        t_full=t_full,
+        t_attn=max(t_full - t_no_attn, 0.0) / n,
+        t_mlp=max(t_full - t_no_mlp, 0.0) / n,
+        t_verify=t_verify,
+        num_layers=n,
+    )

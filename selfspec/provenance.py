@@ -1,0 +1,57 @@
+"""Where a result came from: git commit, package versions, machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+
+def git_commit(cwd: str | Path | None = None) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=cwd, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=cwd, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(extra: dict | None = None) -> dict:
+    import torch
+
+    versions = {}
+    for pkg in ("selfspec", "torch", "transformers", "optuna", "datasets"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    info = {
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "versions": versions,
+        "python": platform.python_version(),
+        "machine": {
+            "cpu": _cpu_name(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        },
+    }
+    info.update(extra or {})
+    return info
