@@ -17,6 +17,7 @@ a plan at ``k`` is ``tokens_per_round(k) * t_full / (k * t_draft + t_verify(k+1)
 from __future__ import annotations
 
 import statistics
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -154,29 +155,36 @@ def measure_costs(model, context: list[int], k_max: int = 8, reps: int = 7) -> C
         model(input_ids=tokens[:, :m], position_ids=torch.arange(len(ctx), len(ctx) + m, device=device)[None],
               past_key_values=cache, use_cache=True, logits_to_keep=1)
 
-    def timed(m: int) -> float:
-        forward(m)
-        times = []
-        for _ in range(reps):
+    # every configuration is timed once per repetition, round-robin, so that a change of
+    # machine load during the measurement hits all of them alike; medians per configuration
+    all_attn = SkipPlan(n, attn=tuple(range(n)))
+    all_mlp = SkipPlan(n, mlp=tuple(range(n)))
+    configs = [("full", 1, None), ("no_attn", 1, all_attn), ("no_mlp", 1, all_mlp)]
+    configs += [(f"verify{m}", m, None) for m in range(2, min(k_max + 1, len(ctx)) + 1)]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+
+    def run(m: int, plan: SkipPlan | None) -> float:
+        with skipper.skipping(plan) if plan is not None else nullcontext():
             t0 = clock.now()
             forward(m)
-            times.append(clock.now() - t0)
-        return statistics.median(times)
+            return clock.now() - t0
 
     with torch.inference_mode():
         cache.seek(0, len(ctx))
         model(input_ids=tokens, position_ids=torch.arange(len(ctx), device=device)[None],
               past_key_values=cache, use_cache=True, logits_to_keep=1)
-        t_full = timed(1)
-        with skipper.skipping(SkipPlan(n, attn=tuple(range(n)))):
-            t_no_attn = timed(1)
-        with skipper.skipping(SkipPlan(n, mlp=tuple(range(n)))):
-            t_no_mlp = timed(1)
-        t_verify = {m: timed(m) for m in range(2, min(k_max + 1, len(ctx)) + 1)}
+        for rep in range(reps + 1):
+            for name, m, plan in configs:
+                dt = run(m, plan)
+                if rep:  # repetition 0 is the warm-up
+                    times[name].append(dt)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    t_full = med["full"]
+    t_verify = {m: med[f"verify{m}"] for _, m, _ in configs if m > 1}
     return CostModel(
         t_full=t_full,
-        t_attn=max(t_full - t_no_attn, 0.0) / n,
-        t_mlp=max(t_full - t_no_mlp, 0.0) / n,
+        t_attn=max(t_full - med["no_attn"], 0.0) / n,
+        t_mlp=max(t_full - med["no_mlp"], 0.0) / n,
         t_verify=t_verify,
         num_layers=n,
     )

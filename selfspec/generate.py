@@ -23,7 +23,7 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
 
 def default_plan(model_name: str, num_layers: int) -> tuple[SkipPlan, str]:
     """The searched plan in results/plans/ when there is one, else a simple middle-layer plan."""
-    found = Path("results/plans") / f"{model_name}.json"
+    found = Path("results/plans") / f"{model_name}-default.json"
     if found.is_file():
         plan = SkipPlan.load(found)
         if plan.num_layers == num_layers:
@@ -46,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m selfspec.generate", description=__doc__)
     ap.add_argument("--model", default="smollm2-135m", help=f"packaged ({', '.join(MODELS)}), folder or hub id")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    ap.add_argument("--plan", help="skip plan JSON (default: results/plans/<model>.json or a heuristic)")
+    ap.add_argument("--plan", help="skip plan JSON (default: results/plans/<model>-default.json, else a heuristic)")
     ap.add_argument("--skip-attn", help="comma-separated attention layers to skip (instead of --plan)")
     ap.add_argument("--skip-mlp", help="comma-separated MLP layers to skip (instead of --plan)")
-    ap.add_argument("--k", type=int, default=4, help="draft tokens per round (maximum when --adaptive)")
+    ap.add_argument("--k", type=int, default=None,
+                    help="draft tokens per round, maximum when --adaptive (default: the plan's searched k, else 4)")
     ap.add_argument("--adaptive", action="store_true", help="adaptive draft exit on low draft confidence")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -77,13 +78,14 @@ def _run(args) -> int:
     else:
         plan, plan_src = default_plan(args.model, lm.num_layers)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, k=args.k, adaptive=args.adaptive,
+    k = args.k if args.k is not None else int(plan.provenance.get("k", 4))
+    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, k=k, adaptive=args.adaptive,
                        sampling=sampling, seed=args.seed)
     ids = encode_prompt(lm.tokenizer, args.prompt)
     print(f"model {args.model} ({lm.num_layers} layers, {lm.info['dtype']}), prompt {len(ids)} tokens")
-    print(f"plan  {plan.describe()}  [{plan_src}]")
+    print(f"plan  {plan.describe()}, k={k}  [{plan_src}]")
     # warm-up: one short run of each so neither timing pays first-call costs
-    warm = DecodeConfig(max_new_tokens=4, k=args.k, sampling=sampling)
+    warm = DecodeConfig(max_new_tokens=4, k=k, sampling=sampling)
     autoregressive(lm.model, ids, warm, lm.eos_ids)
     self_speculative(lm.model, ids, plan, warm, lm.eos_ids)
     ar = autoregressive(lm.model, ids, cfg, lm.eos_ids)

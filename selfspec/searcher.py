@@ -8,6 +8,7 @@ self-speculative runs -> report on held-out prompts -> write the plan JSON.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -48,7 +49,8 @@ class RetimeSettings:
 @dataclass(frozen=True)
 class HeldoutSettings:
     prompts: int = 4
-    max_new_tokens: int = 48
+    max_new_tokens: int = 32
+    reps: int = 2
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,15 @@ class SearchReport:
 def _calibration(study: optuna.Study, lm: LoadedModel, prompts: list[list[int]], s: SearchSettings, path: Path):
     """Continuations and costs: loaded from ``path`` when it matches, else computed and saved."""
     key = {"model": lm.name, "prompts": prompts, "n_tokens": s.calibration_tokens, "k_max": s.k_max}
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    recorded = study.user_attrs.get("calibration")
+    if recorded is None:
+        study.set_user_attr("calibration", digest)
+    elif recorded != digest:
+        raise SelfSpecError(
+            f"study {study.study_name!r} was scored with other calibration prompts or settings; "
+            "its trials would not compare: choose another search.study_name"
+        )
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
@@ -180,7 +191,7 @@ def search(
     if held_ids:
         held_scorer = AgreementScorer(lm.model, held_ids, s.heldout.max_new_tokens, lm.eos_ids, s.k_max)
         held_pred = held_scorer.score(plan).acceptance(k)
-        held = retime(lm.model, held_ids, [(plan, k)], lm.eos_ids, s.heldout.max_new_tokens, max(1, s.retime.reps))[0]
+        held = retime(lm.model, held_ids, [(plan, k)], lm.eos_ids, s.heldout.max_new_tokens, s.heldout.reps)[0]
     else:
         held_pred, held = float("nan"), {"acceptance": float("nan"), "speedup": float("nan")}
     report = SearchReport(

@@ -182,3 +182,11 @@ def test_cli_bad_input(tmp_path):
     proc = _cli(tmp_path, "logger=none", "dataset=no-such-set")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "no-such-set" in err
+
+
+def test_resume_with_other_calibration_refused(tmp_path):
+    proc = _cli(tmp_path, "logger=none", "search.n_trials=2")
+    assert proc.wait(timeout=300) == 0
+    proc = _cli(tmp_path, "logger=none", "search.n_trials=3", "search.calibration_tokens=10")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "other calibration prompts or settings" in err
