@@ -157,17 +157,24 @@ def open_study(storage_path: Path, study_name: str, model: str, sampler: str, se
         direction="maximize",
         load_if_exists=True,
     )
-    made_for = study.user_attrs.get("model")
-    if made_for is None:
-        study.set_user_attr("model", model)
-    elif made_for != model:
-        raise SelfSpecError(
-            f"study {study_name!r} in {storage_path} was made for model {made_for!r}, not {model!r}; "
-            "choose another search.study_name"
-        )
+    pin_study_attr(study, "model", model,
+                   f"study {study_name!r} in {storage_path} was made for model {{recorded!r}}, not {model!r}; "
+                   "choose another search.study_name")
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         storage.set_trial_state_values(t._trial_id, TrialState.FAIL)  # left by a killed run
     return study
+
+
+def pin_study_attr(study: optuna.Study, name: str, value, message: str) -> None:
+    """Record ``value`` under ``name`` on a new study; on a resumed one, refuse a different value.
+
+    ``message`` may use ``{recorded}`` for the value the study holds.
+    """
+    recorded = study.user_attrs.get(name)
+    if recorded is None:
+        study.set_user_attr(name, value)
+    elif recorded != value:
+        raise SelfSpecError(message.format(recorded=recorded))
 
 
 def enqueue_warm_starts(study: optuna.Study, space: SearchSpace, plans: list[SkipPlan]) -> int:

@@ -30,6 +30,7 @@ from .optimize import (
     enqueue_warm_starts,
     finished,
     open_study,
+    pin_study_attr,
     retime,
     run_search,
     top_plans,
@@ -105,14 +106,9 @@ def _calibration(study: optuna.Study, lm: LoadedModel, prompts: list[list[int]],
     """Continuations and costs: loaded from ``path`` when it matches, else computed and saved."""
     key = {"model": lm.name, "prompts": prompts, "n_tokens": s.calibration_tokens, "k_max": s.k_max}
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
-    recorded = study.user_attrs.get("calibration")
-    if recorded is None:
-        study.set_user_attr("calibration", digest)
-    elif recorded != digest:
-        raise SelfSpecError(
-            f"study {study.study_name!r} was scored with other calibration prompts or settings; "
-            "its trials would not compare: choose another search.study_name"
-        )
+    pin_study_attr(study, "calibration", digest,
+                   f"study {study.study_name!r} was scored with other calibration prompts or settings; "
+                   "its trials would not compare: choose another search.study_name")
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
