@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .cache import PositionalKVCache
-from .decoding import DecodeConfig, autoregressive
+from .decoding import DecodeConfig, autoregressive, forward_at
 from .plan import SkipPlan
 from .skip import layer_skipper
 from .stats import Clock
@@ -67,20 +67,11 @@ class AgreementScorer:
         with torch.inference_mode():
             for p, c in zip(self.prompts, self.continuations):
                 cache = PositionalKVCache(model, max_len=len(p) + max(len(c), 1))
-                self._forward(cache, p, 0, keep=1)
+                forward_at(model, cache, self._tensor(p), 0, keep=1)
                 self.caches.append(cache)
 
-    def _forward(self, cache: PositionalKVCache, tokens: list[int], start: int, keep: int) -> torch.Tensor:
-        n = len(tokens)
-        cache.seek(start, n)
-        out = self.model(
-            input_ids=torch.tensor([tokens], device=self.device),
-            position_ids=torch.arange(start, start + n, device=self.device)[None],
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
-        return out.logits[0]
+    def _tensor(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long, device=self.device)
 
     def agreement_vectors(self, plan: SkipPlan) -> list[list[bool]]:
         vectors = []
@@ -89,7 +80,7 @@ class AgreementScorer:
                 if len(c) < 2:
                     vectors.append([])
                     continue
-                logits = self._forward(cache, c[:-1], len(p), keep=len(c) - 1)
+                logits = forward_at(self.model, cache, self._tensor(c[:-1]), len(p), keep=len(c) - 1)
                 pred = logits.argmax(-1).tolist()
                 vectors.append([a == b for a, b in zip(pred, c[1:])])
         return vectors
@@ -148,12 +139,10 @@ def measure_costs(model, context: list[int], k_max: int = 8, reps: int = 7) -> C
     clock = Clock(device)
     ctx = list(context)
     cache = PositionalKVCache(model, max_len=len(ctx) + k_max + 2)
-    tokens = torch.tensor([ctx], device=device)
+    tokens = torch.tensor(ctx, dtype=torch.long, device=device)
 
     def forward(m: int) -> None:
-        cache.seek(len(ctx), m)
-        model(input_ids=tokens[:, :m], position_ids=torch.arange(len(ctx), len(ctx) + m, device=device)[None],
-              past_key_values=cache, use_cache=True, logits_to_keep=1)
+        forward_at(model, cache, tokens[:m], len(ctx), keep=1)
 
     # every configuration is timed once per repetition, round-robin, so that a change of
     # machine load during the measurement hits all of them alike; medians per configuration
@@ -170,9 +159,7 @@ def measure_costs(model, context: list[int], k_max: int = 8, reps: int = 7) -> C
             return clock.now() - t0
 
     with torch.inference_mode():
-        cache.seek(0, len(ctx))
-        model(input_ids=tokens, position_ids=torch.arange(len(ctx), device=device)[None],
-              past_key_values=cache, use_cache=True, logits_to_keep=1)
+        forward_at(model, cache, tokens, 0, keep=1)
         for rep in range(reps + 1):
             for name, m, plan in configs:
                 dt = run(m, plan)

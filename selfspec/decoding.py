@@ -76,6 +76,25 @@ class Generation:
     stats: DecodeStats
 
 
+def forward_at(model, cache: PositionalKVCache, tokens: torch.Tensor, start: int, keep: int,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The one forward everything uses: ``tokens`` at absolute positions ``start..`` on ``cache``.
+
+    Seeks the cache, passes the positions explicitly, and returns the logits
+    ``[keep, V]`` of the last ``keep`` tokens. ``positions`` is an optional
+    preallocated ``[1, >= start+n]`` row of position ids to slice from.
+    """
+    n = tokens.shape[-1]
+    cache.seek(start, n)
+    if positions is None:
+        pos = torch.arange(start, start + n, device=tokens.device)[None]
+    else:
+        pos = positions[:, start : start + n]
+    out = model(input_ids=tokens.reshape(1, n), position_ids=pos, past_key_values=cache,
+                use_cache=True, logits_to_keep=keep)
+    return out.logits[0]
+
+
 def context_length(model) -> int | None:
     cfg = model.config.get_text_config(decoder=True)
     return getattr(cfg, "max_position_embeddings", None)
@@ -116,16 +135,7 @@ class _Run:
     # -- the one forward both methods use ------------------------------------------
     def forward(self, tokens: torch.Tensor, start: int, keep: int) -> torch.Tensor:
         """Logits ``[keep, V]`` for the last ``keep`` of ``tokens`` placed at ``start..``."""
-        n = tokens.shape[-1]
-        self.cache.seek(start, n)
-        out = self.model(
-            input_ids=tokens.reshape(1, n),
-            position_ids=self.positions[:, start : start + n],
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
-        return out.logits[0]
+        return forward_at(self.model, self.cache, tokens, start, keep, self.positions)
 
     def pick(self, logits: torch.Tensor) -> int:
         """The target's choice from one row of logits (argmax or a sample of p)."""

