@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import PositionalKVCache
+from .draft import DraftOptions, DraftPath, NGramIndex
 from .errors import SelfSpecError
 from .plan import SkipPlan
 from .sampling import SamplingParams, probs_from_logits, sample, verify_greedy, verify_sampling
-from .skip import layer_skipper
 from .stats import Clock, DecodeStats
 
 
@@ -208,11 +208,11 @@ def autoregressive(model, prompt_ids, cfg: DecodeConfig, eos_ids=()) -> Generati
 class _Speculator:
     """Draft / verify rounds on top of a :class:`_Run`."""
 
-    def __init__(self, run: _Run, plan: SkipPlan) -> None:
+    def __init__(self, run: _Run, path: DraftPath) -> None:
         self.run = run
         self.cfg = run.cfg
-        self.plan = plan
-        self.skipper = layer_skipper(run.model)
+        self.path = path
+        self.ngram = NGramIndex(path.options.ngram) if path.options.ngram else None
         self.threshold = self.cfg.threshold
         self.ema_acceptance: float | None = None
         self.ema_tokens: float | None = None
@@ -220,13 +220,31 @@ class _Speculator:
         self.ema_round: float | None = None
         self.speculating = True
 
+    def start(self) -> None:
+        self.path.prepare(self.run.prompt)
+        self.run.start()
+        if self.ngram is not None:
+            self.ngram.extend(self.run.prompt.tolist() + self.run.out)
+
+    def copy_draft(self, k: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Up to ``k`` tokens copied from the context after a repeat of its last n tokens."""
+        drafts = self.ngram.propose(k) if self.ngram is not None else []
+        qs = []
+        if drafts and not self.cfg.sampling.greedy:  # the proposal distribution is a point mass
+            vocab = self.run.model.get_output_embeddings().weight.shape[0]
+            for t in drafts:
+                q = torch.zeros(vocab, device=self.run.device)
+                q[t] = 1.0
+                qs.append(q)
+        return drafts, qs
+
     def draft(self, k: int) -> tuple[list[int], list[torch.Tensor]]:
-        """Up to ``k`` draft tokens from the skipping model, starting at the pending token."""
+        """Up to ``k`` draft tokens from the drafting model, starting at the pending token."""
         run, greedy = self.run, self.cfg.sampling.greedy
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         x = run.pending
-        with self.skipper.skipping(self.plan):
+        with self.path.drafting():
             for j in range(k):
                 logits = run.forward(run.token_tensor([x]), run.pos + j, keep=1)[-1]
                 if greedy:
@@ -256,15 +274,24 @@ class _Speculator:
         run, stats = self.run, self.run.stats
         k = min(self.cfg.k, self.cfg.max_new_tokens - len(run.out) - 1)
         if k < 1 or not self.speculating:
+            before = len(run.out)
             run.plain_step()
+            if self.ngram is not None:
+                self.ngram.extend(run.out[before:])
             return
         t0 = run.clock.now()
-        drafts, qs = self.draft(k)
+        drafts, qs = self.copy_draft(k)
+        if drafts:
+            stats.copy_rounds += 1
+        else:
+            drafts, qs = self.draft(k)
         t1 = run.clock.now()
         n, nxt = self.verify(drafts, qs)
         run.pos += n + 1
         run.pending = nxt
         kept = run.emit(drafts[:n] + [nxt])
+        if self.ngram is not None:
+            self.ngram.extend(kept)
         t2 = run.clock.now()
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1
@@ -295,14 +322,22 @@ def _ema(old: float | None, new: float, beta: float = 0.8) -> float:
     return new if old is None else beta * old + (1.0 - beta) * new
 
 
-def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_ids=()) -> Generation:
-    """Draft with ``plan``'s sublayers skipped, verify with the full model, on one cache."""
-    skipper = layer_skipper(model)
-    plan.check_model(skipper.num_layers)
+def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_ids=(),
+                     draft: DraftPath | None = None) -> Generation:
+    """Draft with ``plan``'s sublayers skipped, verify with the full model, on one cache.
+
+    ``draft`` (a :class:`~selfspec.draft.DraftPath` built for ``plan``) makes
+    draft steps cheaper still (low-precision kept weights, a cut LM head,
+    copy drafting); without it the draft is the plan alone.
+    """
+    if draft is None:
+        draft = DraftPath(model, plan, DraftOptions())
+    elif draft.plan != plan or draft.model is not model:
+        raise SelfSpecError("the draft path was built for another plan or model")
     run = _Run(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=cfg.k + 1)
-    spec = _Speculator(run, plan)
+    spec = _Speculator(run, draft)
     with torch.inference_mode():
-        run.start()
+        spec.start()
         while not run.done:
             spec.round()
     return run.finish()

@@ -240,11 +240,18 @@ def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
     """Token ids of ``text``, wrapped in the tokenizer's chat template when it has one."""
     if not text or not text.strip():
         raise SelfSpecError("the prompt is empty: give some text")
+    return encode_chat(tokenizer, [{"role": "user", "content": text}], chat)
+
+
+def encode_chat(tokenizer, messages: list[dict], chat: bool = True) -> list[int]:
+    """Token ids of a conversation ending in a user turn, ready for the assistant's answer.
+
+    Uses the tokenizer's chat template when it has one; otherwise the turns are
+    joined by newlines as plain text.
+    """
     if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
-    return tokenizer(text)["input_ids"]
+    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]

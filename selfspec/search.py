@@ -18,6 +18,7 @@ from .data import prompt_set_from_config
 from .errors import SelfSpecError
 from .models import load_model
 from .searcher import HeldoutSettings, RetimeSettings, SearchSettings, format_report, search
+from .wandb_logger import WandbLogger
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -33,36 +34,17 @@ def settings_from_config(cfg: DictConfig) -> SearchSettings:
     )
 
 
-class WandbLogger:
-    """Trial metrics and the final report to W&B; a no-op when the logger is off."""
+def _logger(cfg: DictConfig) -> WandbLogger:
+    return WandbLogger(OmegaConf.to_container(cfg.logger, resolve=True), "search",
+                       OmegaConf.to_container(cfg, resolve=True), name=f"search-{cfg.search.study_name}")
 
-    def __init__(self, cfg: DictConfig, job: str) -> None:
-        self.run = None
-        if cfg.logger.name != "wandb" or cfg.logger.mode == "disabled":
-            return
-        import wandb
 
-        Path(cfg.logger.dir).mkdir(parents=True, exist_ok=True)
-        self.wandb = wandb
-        self.run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode,
-                              dir=cfg.logger.dir, job_type=job, tags=list(cfg.logger.tags),
-                              config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous")
-
-    def on_trial(self, study, trial) -> None:
-        if self.run is not None:
-            self.run.log({"trial": trial.number, "objective": trial.value, "state": trial.state.name,
-                          "n_skipped": trial.user_attrs.get("n_skipped"), "k": trial.user_attrs.get("k"),
-                          "predicted_acceptance": trial.user_attrs.get("predicted_acceptance")})
-
-    def finish(self, report=None, plan_path: str | None = None, failed: bool = False) -> None:
-        if self.run is None:
-            return
-        if report is not None:
-            self.run.summary.update({k: v for k, v in report.to_dict().items() if k not in ("plan", "candidates")})
-            art = self.wandb.Artifact(f"plan-{Path(plan_path).stem}", type="skip-plan")
-            art.add_file(plan_path)
-            self.run.log_artifact(art)
-        self.run.finish(exit_code=1 if failed else 0)
+def _on_trial(logger: WandbLogger):
+    def log(study, trial) -> None:
+        logger.log({"trial": trial.number, "objective": trial.value, "state": trial.state.name,
+                    "n_skipped": trial.user_attrs.get("n_skipped"), "k": trial.user_attrs.get("k"),
+                    "predicted_acceptance": trial.user_attrs.get("predicted_acceptance")})
+    return log
 
 
 @hydra.main(config_path=CONF_DIR, config_name="search", version_base="1.3")
@@ -70,13 +52,15 @@ def main(cfg: DictConfig) -> None:
     logger = None
     try:
         settings = settings_from_config(cfg)
-        prompts = prompt_set_from_config(OmegaConf.to_container(cfg.dataset, resolve=True))
+        prompts = prompt_set_from_config(OmegaConf.to_container(cfg.dataset, resolve=True), cfg.model.cache_dir)
         lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)
-        logger = WandbLogger(cfg, "search")
-        report = search(lm, prompts, settings, on_trial=logger.on_trial,
+        logger = _logger(cfg)
+        report = search(lm, prompts, settings, on_trial=_on_trial(logger),
                         extra_provenance={"config": OmegaConf.to_container(cfg, resolve=True)})
         print(format_report(report))
-        logger.finish(report, report.plan_path)
+        logger.summary({k: v for k, v in report.to_dict().items() if k not in ("plan", "candidates")})
+        logger.artifact(report.plan_path, f"plan-{Path(report.plan_path).stem}", "skip-plan")
+        logger.finish()
     except SelfSpecError as e:
         if logger:
             logger.finish(failed=True)

@@ -43,9 +43,11 @@ class DecodeStats:
     """Raw counters of one generation call."""
 
     method: str = ""
+    requests: int = 1  # generation calls merged into these counters (turns of a multi-turn sample)
     prompt_tokens: int = 0
     new_tokens: int = 0
     rounds: int = 0  # verify passes of speculative rounds
+    copy_rounds: int = 0  # rounds whose draft was copied from the context (n-gram match)
     plain_steps: int = 0  # one-token target steps (baseline, fallback, last token)
     drafted: int = 0
     accepted: int = 0
@@ -55,7 +57,7 @@ class DecodeStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     step_time: float = 0.0  # time spent in plain one-token steps
-    ttft: float = 0.0  # start of the call to the first new token
+    ttft: float = 0.0  # start of the call to the first new token (summed over merged requests)
     total_time: float = 0.0
     token_latencies: list[float] = field(default_factory=list)
     stop_reason: str = ""  # "eos" | "max_new_tokens"
@@ -82,16 +84,41 @@ class DecodeStats:
         self.new_tokens += n
         self.token_latencies.extend([elapsed / n] * n)
 
+    @classmethod
+    def merged(cls, parts: list["DecodeStats"]) -> "DecodeStats":
+        """One set of counters for several requests (the turns of one sample)."""
+        out = cls(method=parts[0].method, requests=0)
+        for p in parts:
+            for name in ("requests", "prompt_tokens", "new_tokens", "rounds", "copy_rounds", "plain_steps", "drafted", "accepted",
+                         "prefill_time", "draft_time", "verify_time", "step_time", "ttft", "total_time"):
+                setattr(out, name, getattr(out, name) + getattr(p, name))
+            for mine, theirs in ((out.drafted_per_position, p.drafted_per_position),
+                                 (out.accepted_per_position, p.accepted_per_position)):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for i, v in enumerate(theirs):
+                    mine[i] += v
+            out.token_latencies.extend(p.token_latencies)
+            out.stop_reason = p.stop_reason
+            if out.fell_back_at is None and p.fell_back_at is not None:
+                out.fell_back_at = p.fell_back_at
+        return out
+
     # -- derived -----------------------------------------------------------------
     def summary(self) -> dict:
-        """All derived rates, computed here and only here."""
+        """All derived rates, computed here and only here.
+
+        Over merged requests, ``ttft_s`` is the mean time to first token and
+        ``tpot_s`` the decode time per token after each request's first.
+        """
         decode_time = self.total_time - self.ttft
-        after_first = max(self.new_tokens - 1, 0)
+        after_first = max(self.new_tokens - self.requests, 0)
         return {
             "method": self.method,
+            "requests": self.requests,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "rounds": self.rounds,
+            "copy_rounds": self.copy_rounds,
             "plain_steps": self.plain_steps,
             "drafted": self.drafted,
             "accepted": self.accepted,
@@ -103,7 +130,7 @@ class DecodeStats:
             ],
             "total_time_s": self.total_time,
             "tokens_per_s": self.new_tokens / self.total_time if self.total_time > 0 else float("nan"),
-            "ttft_s": self.ttft,
+            "ttft_s": self.ttft / self.requests if self.requests else float("nan"),
             "tpot_s": decode_time / after_first if after_first else float("nan"),
             "latency_p50_s": _percentile(self.token_latencies, 0.5),
             "latency_p99_s": _percentile(self.token_latencies, 0.99),

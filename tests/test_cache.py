@@ -5,6 +5,7 @@ import torch
 from selfspec import DecodeConfig, SkipPlan, layer_skipper
 from selfspec.cache import PositionalKVCache
 from selfspec.decoding import _Run, _Speculator
+from selfspec.draft import DraftOptions, DraftPath
 from tests.conftest import PROMPT
 
 
@@ -35,10 +36,10 @@ def test_after_rounds_committed_slots_hold_full_model_values(make_model):
     model = make_model("llama", torch.float64)
     cfg = DecodeConfig(max_new_tokens=30, k=4, fallback=False)
     run = _Run(model, PROMPT, cfg, (), "self_speculative", extra_slots=cfg.k + 1)
-    spec = _Speculator(run, SkipPlan(4, attn=(1,), mlp=(0, 2)))
+    spec = _Speculator(run, DraftPath(model, SkipPlan(4, attn=(1,), mlp=(0, 2)), DraftOptions()))
     ptrs = [layer.keys.data_ptr() for layer in run.cache.layers]
     with torch.inference_mode():
-        run.start()
+        spec.start()
         for _ in range(4):
             spec.round()
     assert run.stats.drafted > run.stats.accepted  # some drafts were rejected and rolled back

@@ -1,0 +1,73 @@
+"""Decoding methods behind one interface, for the evaluation runner.
+
+A :class:`Method` turns prompt ids into a :class:`~selfspec.decoding.Generation`
+(new tokens and :class:`~selfspec.stats.DecodeStats`). Our own
+``autoregressive`` and ``self_speculative`` share one forward, one token count
+and one clock (:mod:`selfspec.decoding`); the transformers baselines
+(:mod:`selfspec.baselines`) are timed with the same :class:`~selfspec.stats.Clock`
+and count new tokens the same way (EOS included, cut at ``max_new_tokens``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Callable
+
+from .decoding import DecodeConfig, Generation, autoregressive, self_speculative
+from .draft import DraftOptions, DraftPath
+from .errors import SelfSpecError
+from .models import LoadedModel
+from .plan import SkipPlan
+
+
+@dataclass
+class Method:
+    """A named decoder bound to one loaded model.
+
+    ``extra_memory_bytes`` is what the method keeps beside the model's own
+    weights (a second model, a quantized copy, ...), measured when it is built.
+    """
+
+    name: str
+    run: Callable[[list[int], DecodeConfig], Generation]
+    cfg: DecodeConfig
+    plan: SkipPlan | None = None
+    extra_memory_bytes: int = 0
+    info: dict | None = None
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> Generation:
+        cfg = self.cfg if max_new_tokens is None else replace(self.cfg, max_new_tokens=max_new_tokens)
+        gen = self.run(list(prompt_ids), cfg)
+        gen.stats.method = self.name
+        return gen
+
+
+def _autoregressive(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: dict) -> Method:
+    return Method("autoregressive", lambda ids, c: autoregressive(lm.model, ids, c, lm.eos_ids), cfg)
+
+
+def _self_speculative(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: dict) -> Method:
+    if plan is None:
+        raise SelfSpecError("method self_speculative needs a skip plan: set plan=<file> "
+                            "(python -m selfspec.search writes results/plans/<model>-<dataset>.json)")
+    options = DraftOptions(**opts)
+    path = DraftPath(lm.model, plan, options, stop_ids=lm.eos_ids)
+    return Method("self_speculative",
+                  lambda ids, c: self_speculative(lm.model, ids, plan, c, lm.eos_ids, draft=path), cfg, plan,
+                  extra_memory_bytes=path.extra_bytes, info=None if options.plain and not options.ngram else asdict(options))
+
+
+BUILDERS: dict[str, Callable[[LoadedModel, DecodeConfig, SkipPlan | None, dict], Method]] = {
+    "autoregressive": _autoregressive,
+    "self_speculative": _self_speculative,
+}
+
+
+def build_method(name: str, lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None = None,
+                 options: dict | None = None) -> Method:
+    """Build method ``name``; ``options`` are the method's own settings (``conf/method``)."""
+    from . import baselines  # noqa: F401  (registers the transformers baselines)
+
+    if name not in BUILDERS:
+        raise SelfSpecError(f"unknown method {name!r}; choose from {', '.join(BUILDERS)}")
+    return BUILDERS[name](lm, cfg, plan, dict(options or {}))

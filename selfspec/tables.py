@@ -1,0 +1,251 @@
+"""``python -m selfspec.tables``: paper-style tables and figures from raw results.
+
+Reads every ``samples.jsonl`` under ``--runs`` (written by
+``experiments/evaluate.py``) and writes, per experiment name (the first
+folder under ``--runs``), ``<name>.md``, ``<name>.tex`` and ``<name>.csv`` to
+``--tables``: one row per model x dataset x run variant x method with the
+sublayers the plan skips, acceptance rate, mean accepted length, tokens/s,
+speedup over the run's baseline and the share of samples whose output equals
+the baseline's. Figures (PNG, ``--figures``): speedup and acceptance versus
+the number of skipped sublayers, acceptance by draft position, and the
+search history of every Optuna study under ``--studies``. Every number is
+computed here from the raw rows; nothing is typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .evaluate import read_jsonl, summarize
+
+COLUMNS = ["model", "dataset", "variant", "method", "samples", "attn_skipped", "mlp_skipped", "k",
+           "acceptance_rate", "mean_accepted_length", "tokens_per_s", "speedup", "greedy_match", "ttft_s",
+           "tpot_s", "latency_p99_s", "extra_memory_mb"]
+HEADERS = {"model": "model", "dataset": "dataset", "variant": "run", "method": "method", "samples": "n",
+           "attn_skipped": "attn skip", "mlp_skipped": "MLP skip", "k": "k", "acceptance_rate": "accept",
+           "mean_accepted_length": "acc. len", "tokens_per_s": "tok/s", "speedup": "speedup",
+           "greedy_match": "match AR", "ttft_s": "TTFT s", "tpot_s": "TPOT s", "latency_p99_s": "P99 s",
+           "extra_memory_mb": "extra MB"}
+
+
+@dataclass
+class Run:
+    experiment: str
+    model: str
+    dataset: str
+    variant: str
+    header: dict
+    rows: list[dict]
+
+
+def load_runs(root: Path) -> list[Run]:
+    runs = []
+    for path in sorted(root.glob("**/samples.jsonl")):
+        header, rows = read_jsonl(path)
+        if header is None or not rows:
+            continue
+        rel = path.parent.relative_to(root).parts
+        variant = "/".join(rel[3:]) or "default"
+        runs.append(Run(rel[0], header["model"], header["dataset"], variant, header, rows))
+    return runs
+
+
+def table_rows(run: Run) -> list[dict]:
+    """One table row per method of one run, derived from its raw rows."""
+    fp = run.header["fingerprint"]
+    baseline = run.header.get("baseline", "autoregressive")
+    summary = summarize(run.rows, baseline)
+    out = []
+    for method in fp["methods"]:
+        if method not in summary:
+            continue
+        s = summary[method]
+        plan = fp.get("plans", {}).get(method)
+        out.append({
+            "model": run.model, "dataset": run.dataset, "variant": run.variant, "method": method,
+            "samples": s["samples"],
+            "attn_skipped": len(plan["attn"]) if plan else None,
+            "mlp_skipped": len(plan["mlp"]) if plan else None,
+            "k": fp["decode"][method]["k"] if plan else None,
+            "acceptance_rate": s["acceptance_rate"], "mean_accepted_length": s["mean_accepted_length"],
+            "tokens_per_s": s["tokens_per_s"], "speedup": s["speedup"],
+            "greedy_match": s["greedy_match"] if method != baseline else None,
+            "ttft_s": s["ttft_s"], "tpot_s": s["tpot_s"], "latency_p99_s": s["latency_p99_s"],
+            "extra_memory_mb": run.header.get("extra_memory_bytes", {}).get(method, 0) / 2**20,
+            "acceptance_by_position": s["acceptance_by_position"],
+        })
+    return out
+
+
+def _fmt(key: str, v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if key == "speedup":
+        return f"{v:.2f}x"
+    if key in ("acceptance_rate", "greedy_match", "mean_accepted_length"):
+        return f"{v:.2f}"
+    if key in ("tokens_per_s",):
+        return f"{v:.2f}"
+    if key in ("ttft_s", "tpot_s", "latency_p99_s"):
+        return f"{v:.3f}"
+    if key == "extra_memory_mb":
+        return f"{v:.0f}"
+    return str(v)
+
+
+def to_markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(HEADERS[c] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(c, r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def to_latex(rows: list[dict]) -> str:
+    def esc(s: str) -> str:
+        return s.replace("\\", "\\textbackslash{}").replace("_", "\\_").replace("%", "\\%").replace("&", "\\&")
+
+    lines = ["\\begin{tabular}{" + "l" * 4 + "r" * (len(COLUMNS) - 4) + "}", "\\toprule",
+             " & ".join(esc(HEADERS[c]) for c in COLUMNS) + " \\\\", "\\midrule"]
+    lines += [" & ".join(esc(_fmt(c, r[c])) for c in COLUMNS) + " \\\\" for r in rows]
+    lines += ["\\bottomrule", "\\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({c: ("" if r[c] is None else r[c]) for c in COLUMNS})
+    return buf.getvalue()
+
+
+def write_tables(runs: list[Run], out_dir: Path) -> dict[str, list[dict]]:
+    """Write ``<experiment>.{md,tex,csv}``; returns the rows per experiment."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    by_exp: dict[str, list[dict]] = {}
+    for run in runs:
+        by_exp.setdefault(run.experiment, []).extend(table_rows(run))
+    for name, rows in by_exp.items():
+        rows.sort(key=lambda r: (r["model"], r["dataset"], r["variant"]))
+        (out_dir / f"{name}.md").write_text(to_markdown(rows))
+        (out_dir / f"{name}.tex").write_text(to_latex(rows))
+        (out_dir / f"{name}.csv").write_text(to_csv(rows))
+    return by_exp
+
+
+# -- figures ---------------------------------------------------------------------------
+
+def _study_trials(studies: Path) -> dict[str, list]:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    out = {}
+    for db in sorted(studies.glob("*.db")):
+        storage = f"sqlite:///{db}"
+        for name in optuna.get_all_study_names(storage):
+            study = optuna.load_study(study_name=name, storage=storage)
+            trials = [t for t in study.get_trials(deepcopy=False) if t.value is not None]
+            if trials:
+                out[name] = trials
+    return out
+
+
+def write_figures(by_exp: dict[str, list[dict]], studies: Path | None, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    spec = [r for rows in by_exp.values() for r in rows if r["attn_skipped"] is not None]
+    trials = _study_trials(studies) if studies and studies.is_dir() else {}
+
+    # speedup and acceptance versus skipped sublayers: predicted by the searches, measured by the runs
+    if spec or trials:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for name, ts in trials.items():
+            n = [t.user_attrs.get("n_skipped") for t in ts]
+            ax1.scatter(n, [t.value for t in ts], s=8, alpha=0.35, label=f"{name} (predicted)")
+            ax2.scatter(n, [t.user_attrs.get("predicted_acceptance") for t in ts], s=8, alpha=0.35,
+                        label=f"{name} (predicted)")
+        for model in sorted({r["model"] for r in spec}):
+            rs = [r for r in spec if r["model"] == model]
+            n = [r["attn_skipped"] + r["mlp_skipped"] for r in rs]
+            ax1.scatter(n, [r["speedup"] for r in rs], marker="x", s=40, label=f"{model} (measured)")
+            ax2.scatter(n, [r["acceptance_rate"] for r in rs], marker="x", s=40, label=f"{model} (measured)")
+        ax1.axhline(1.0, color="grey", lw=0.8)
+        ax1.set(xlabel="sublayers skipped while drafting", ylabel="speedup over autoregressive")
+        ax2.set(xlabel="sublayers skipped while drafting", ylabel="acceptance rate")
+        ax2.legend(fontsize=6, loc="lower left")
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "speedup_acceptance_vs_skipped.png"))
+
+    # acceptance by draft position
+    with_pos = [r for r in spec if len(r["acceptance_by_position"]) > 1]
+    if with_pos:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in with_pos:
+            acc = r["acceptance_by_position"]
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", ms=3,
+                    label=f"{r['model']} {r['dataset']} k={r['k']}")
+        ax.set(xlabel="draft position", ylabel="acceptance (given the previous ones)", ylim=(0, 1.02))
+        ax.legend(fontsize=5, ncol=2)
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "acceptance_by_position.png"))
+
+    # search history
+    if trials:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, ts in trials.items():
+            ts = sorted(ts, key=lambda t: t.number)
+            best, run = [], -math.inf
+            for t in ts:
+                run = max(run, t.value)
+                best.append(run)
+            ax.plot([t.number for t in ts], [t.value for t in ts], ".", alpha=0.3, ms=3)
+            ax.plot([t.number for t in ts], best, label=name)
+        ax.set(xlabel="trial", ylabel="predicted speedup (dots: trials, line: best so far)")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "search_history.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=130)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m selfspec.tables", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", default="results/runs", help="folder searched for samples.jsonl files")
+    ap.add_argument("--tables", default="results/tables", help="where .md/.tex/.csv go")
+    ap.add_argument("--figures", default="results/figures", help="where PNG figures go")
+    ap.add_argument("--studies", default="results/optuna", help="Optuna SQLite studies for the search figures")
+    ap.add_argument("--no-figures", action="store_true")
+    args = ap.parse_args(argv)
+    runs = load_runs(Path(args.runs))
+    if not runs:
+        print(f"error: no samples.jsonl with results under {args.runs}", file=sys.stderr)
+        return 2
+    by_exp = write_tables(runs, Path(args.tables))
+    for name, rows in by_exp.items():
+        print(f"{args.tables}/{name}.{{md,tex,csv}}: {len(rows)} rows")
+    if not args.no_figures:
+        for p in write_figures(by_exp, Path(args.studies), Path(args.figures)):
+            print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
