@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec import SelfSpecError, SkipPlan
+from selfspec import SelfSpecError, SkipPlan, layer_skipper
 from selfspec.data import load_task_set
 from selfspec.decoding import DecodeConfig
 from selfspec.evaluate import EvalSettings, evaluate, summarize
@@ -56,14 +56,16 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
     tasks = load_task_set(OmegaConf.to_container(cfg.dataset, resolve=True), cfg.model.cache_dir)
     methods = list(cfg.methods)
     plan = None
-    if "self_speculative" in methods:
+    lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)
+    if "self_speculative" in methods and cfg.plan == "empty":  # draft = every sublayer, cheaper weights/head
+        plan = SkipPlan.empty(layer_skipper(lm.model).num_layers, model=lm.name)
+    elif "self_speculative" in methods:
         plan_path = Path(cfg.plan)
         if not plan_path.is_file():
             raise SelfSpecError(f"no skip plan at {plan_path}: run `python -m selfspec.search model={cfg.model.name}` "
-                                "first, or set plan=<file>")
+                                "first, or set plan=<file> (or plan=empty)")
         plan = SkipPlan.load(plan_path)
         logger.artifact(plan_path, f"plan-{plan_path.stem}", "skip-plan")
-    lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)
     dcfg = decode_config(cfg, tasks.max_new_tokens, plan)
     options = OmegaConf.to_container(cfg.method_options, resolve=True)
     built = [build_method(m, lm, dcfg, plan, options.get(m)) for m in methods]

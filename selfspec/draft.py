@@ -86,15 +86,21 @@ class LowPrecisionLinear(nn.Module):
     def __init__(self, inner: nn.Linear, weights: str, group_size: int) -> None:
         super().__init__()
         self.inner = inner
-        self.kind = weights
-        self.group = group_size
-        w = inner.weight.detach()
+        self.out_features = inner.out_features
+        self.active = False
+        self.kind, self.group = "", 0
+        self.configure(weights, group_size)
+
+    def configure(self, weights: str, group_size: int) -> None:
+        """(Re)build the quantized copy unless it already has this format."""
+        if (self.kind, self.group) == (weights, group_size) or (self.kind == weights == "int8"):
+            return
+        self.kind, self.group = weights, group_size
+        w = self.inner.weight.detach()
         if weights == "int8":
             self.qweight, self.qscale = _quantize_int8(w)
         else:
             self.qweight, self.qscale = _quantize_int4(w, group_size)
-        self.out_features = inner.out_features
-        self.active = False
 
     @property
     def weight(self) -> torch.Tensor:
@@ -211,6 +217,7 @@ def _wrap_linears(module: nn.Module, options: DraftOptions) -> list[LowPrecision
     out = []
     for name, child in list(module.named_children()):
         if isinstance(child, LowPrecisionLinear):
+            child.configure(options.weights, options.group_size)
             out.append(child)
         elif isinstance(child, nn.Linear):
             wrapped = LowPrecisionLinear(child, options.weights, options.group_size)

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from selfspec import DecodeConfig, SamplingParams, SkipPlan, self_speculative
+from selfspec.draft import DraftOptions, DraftPath
 from selfspec.sampling import probs_from_logits, verify_greedy, verify_sampling
+from selfspec.tiny import tiny_model
 
 ALPHA = 1e-6
 
@@ -81,11 +83,16 @@ def test_top_k_top_p_filters():
     assert (p > 0).sum() == 3
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=6)])
-def test_engine_samples_the_target_distribution(make_model, params):
+@pytest.mark.parametrize("params,draft", [
+    (SamplingParams(temperature=1.0), None),
+    (SamplingParams(temperature=0.8, top_k=6), None),
+    # copied drafts (point-mass proposals) and a cut draft head (zero proposal mass off 4 ids)
+    (SamplingParams(temperature=1.0), DraftOptions(head_tokens=4, ngram=1)),
+])
+def test_engine_samples_the_target_distribution(make_model, params, draft):
     """Tokens 2 and 3 of a request (made by draft/verify rounds) follow the model's own distribution."""
     vocab = 8
-    model = make_model("llama", torch.float64, vocab)
+    model = make_model("llama", torch.float64, vocab) if draft is None else tiny_model("llama", dtype=torch.float64, vocab_size=vocab)
     prompt = [1, 5, 3, 6]
     plan = SkipPlan(4, attn=(1,), mlp=(1, 2))
     # exact marginals of tokens 2 and 3 by enumerating the first two tokens
@@ -100,12 +107,13 @@ def test_engine_samples_the_target_distribution(make_model, params):
             p2 += p1[a] * pa
             for b in range(vocab):
                 p3 += p1[a] * pa[b] * dist(prompt + [a, b])
+    path = DraftPath(model, plan, draft) if draft is not None else None
     n = 1500
     c2, c3 = torch.zeros(vocab), torch.zeros(vocab)
     drafted = accepted = 0
     for seed in range(n):
         cfg = DecodeConfig(max_new_tokens=3, k=2, sampling=params, seed=seed, fallback=False)
-        g = self_speculative(model, prompt, plan, cfg)
+        g = self_speculative(model, prompt, plan, cfg, draft=path)
         c2[g.tokens[1]] += 1
         c3[g.tokens[2]] += 1
         drafted += g.stats.drafted

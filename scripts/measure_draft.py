@@ -1,0 +1,103 @@
+"""Measure draft-path settings on calibration prompts: acceptance, draft cost, speedup over AR.
+
+    python scripts/measure_draft.py --model qwen2.5-coder-1.5b --datasets gsm8k humaneval \
+        --setting "plan=empty weights=int4 head=16384 k=4" --setting "weights=int8 k=3 adaptive=1"
+
+Each setting is a space-separated list of key=value: plan (a plan file, `empty`, or `default`
+for results/plans/<model>-default.json), weights (model|int8|int4), group (int4 group size),
+head (draft LM head tokens, 0 = full), ngram, k, adaptive (0|1), threshold.
+Prompts are the datasets' *calibration* samples (never the eval ones). AR and each setting
+run interleaved per prompt after a warm-up; the ratio of total tokens/s is printed and
+appended as one JSON line to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
+from selfspec.data import load_task_set
+from selfspec.draft import DraftOptions, DraftPath
+from selfspec.models import encode_prompt, load_model
+from selfspec.provenance import git_commit
+
+
+def parse(setting: str, model: str, num_layers: int) -> tuple[SkipPlan, DraftOptions, DecodeConfig, dict]:
+    kv = dict(item.split("=", 1) for item in setting.split())
+    plan_arg = kv.get("plan", "default")
+    if plan_arg == "empty":
+        plan = SkipPlan(num_layers)
+    elif plan_arg == "default":
+        plan = SkipPlan.load(f"results/plans/{model}-default.json")
+    else:
+        plan = SkipPlan.load(plan_arg)
+    opts = DraftOptions(weights=kv.get("weights", "model"), group_size=int(kv.get("group", 32)),
+                        head_tokens=int(kv.get("head", 0)), ngram=int(kv.get("ngram", 0)))
+    return plan, opts, kv
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval"])
+    ap.add_argument("--prompts", type=int, default=2, help="calibration prompts per dataset")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--setting", action="append", required=True)
+    ap.add_argument("--out", default="results/draft_settings.jsonl")
+    args = ap.parse_args()
+    lm = load_model(args.model)
+    prompts = []
+    for name in args.datasets:
+        ts = load_task_set(yaml.safe_load(Path(f"conf/dataset/{name}.yaml").read_text()))
+        prompts += [encode_prompt(lm.tokenizer, s.turns[0]) for s in ts.calibration[: args.prompts]]
+    n_layers = lm.model.config.num_hidden_layers
+    for setting in args.setting:
+        plan, opts, kv = parse(setting, args.model, n_layers)
+        t0 = time.perf_counter()
+        path = DraftPath(lm.model, plan, opts, stop_ids=lm.eos_ids)
+        build_s = time.perf_counter() - t0
+        cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, k=int(kv.get("k", 3)),
+                           adaptive=kv.get("adaptive", "0") == "1", threshold=float(kv.get("threshold", 0.5)),
+                           fallback=False)
+        warm = DecodeConfig(max_new_tokens=8, k=cfg.k)
+        autoregressive(lm.model, prompts[0], warm, lm.eos_ids)
+        self_speculative(lm.model, prompts[0], plan, warm, lm.eos_ids, draft=path)
+        tot = {"ar_tokens": 0, "ar_time": 0.0, "sp_tokens": 0, "sp_time": 0.0, "drafted": 0, "accepted": 0,
+               "rounds": 0, "copy_rounds": 0, "draft_time": 0.0, "verify_time": 0.0, "match": 0}
+        for ids in prompts:
+            ar = autoregressive(lm.model, ids, cfg, lm.eos_ids)
+            sp = self_speculative(lm.model, ids, plan, cfg, lm.eos_ids, draft=path)
+            tot["ar_tokens"] += ar.stats.new_tokens
+            tot["ar_time"] += ar.stats.total_time
+            tot["sp_tokens"] += sp.stats.new_tokens
+            tot["sp_time"] += sp.stats.total_time
+            for key in ("drafted", "accepted", "rounds", "copy_rounds", "draft_time", "verify_time"):
+                tot[key] += getattr(sp.stats, key)
+            tot["match"] += int(sp.tokens == ar.tokens)
+        ar_tps = tot["ar_tokens"] / tot["ar_time"]
+        sp_tps = tot["sp_tokens"] / tot["sp_time"]
+        step = tot["ar_time"] / tot["ar_tokens"]
+        model_drafts = max(tot["drafted"] - 0, 1)
+        res = {
+            "setting": setting, "model": args.model, "datasets": args.datasets, "prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens, "plan": plan.describe(), "ar_tok_s": round(ar_tps, 3),
+            "spec_tok_s": round(sp_tps, 3), "speedup": round(sp_tps / ar_tps, 3),
+            "acceptance": round(tot["accepted"] / max(tot["drafted"], 1), 3),
+            "tokens_per_round": round((tot["accepted"] + tot["rounds"]) / max(tot["rounds"], 1), 3),
+            "draft_step_over_ar_step": round(tot["draft_time"] / model_drafts / step, 3),
+            "verify_over_ar_step": round(tot["verify_time"] / max(tot["rounds"], 1) / step, 3),
+            "copy_rounds": tot["copy_rounds"], "identical": f"{tot['match']}/{len(prompts)}",
+            "extra_mb": round(path.extra_bytes / 2**20), "build_s": round(build_s, 1), "git_commit": git_commit(),
+        }
+        print(json.dumps(res), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The cheaper draft path: transparent outside drafting, exact output, quantized kernels, copy drafting."""
+
+import pytest
+import torch
+
+from selfspec import DecodeConfig, SelfSpecError, SkipPlan, autoregressive, self_speculative
+from selfspec.draft import DraftOptions, DraftPath, LowPrecisionLinear, NGramIndex
+from selfspec.tiny import tiny_model
+from tests.conftest import PROMPT
+
+PLAN = SkipPlan(4, attn=(1,), mlp=(2,))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("options", [
+    DraftOptions(weights="int8"),
+    DraftOptions(head_tokens=40),
+    DraftOptions(ngram=2),
+    DraftOptions(weights="int8", head_tokens=40, ngram=1),
+])
+def test_greedy_output_is_exact_with_every_draft_option(arch, options):
+    model = tiny_model(arch, vocab_size=96)  # a fresh model: the draft path wraps modules in place
+    cfg = DecodeConfig(max_new_tokens=40, k=3, fallback=False)
+    ar = autoregressive(model, PROMPT + PROMPT, cfg)
+    path = DraftPath(model, PLAN, options, stop_ids=(2,))
+    sp = self_speculative(model, PROMPT + PROMPT, PLAN, cfg, draft=path)
+    assert sp.tokens == ar.tokens
+    assert autoregressive(model, PROMPT + PROMPT, cfg).tokens == ar.tokens  # wrappers are off outside drafts
+    if options.weights == "int8":
+        assert path.extra_bytes > 0 and path.linears
+    if options.ngram == 1:
+        assert sp.stats.copy_rounds > 0  # a 96-token vocabulary repeats single tokens soon
+
+
+def test_wrapped_model_computes_the_same_outside_drafting():
+    model = tiny_model("qwen2", vocab_size=96)
+    x = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        before = model(input_ids=x).logits
+        path = DraftPath(model, PLAN, DraftOptions(weights="int8", head_tokens=10))
+        path.prepare(x)
+        after = model(input_ids=x).logits
+        with path.drafting():
+            drafted = model(input_ids=x).logits
+    assert torch.equal(before, after)
+    assert not torch.equal(before, drafted)
+    kept = drafted[0, -1].isfinite()
+    assert kept.sum() < 96 and kept[x[0]].all()  # cut head: the base ids and the prompt's tokens
+
+
+@pytest.mark.parametrize("weights,tol", [("int8", 0.02), ("int4", 0.15)])
+def test_quantized_linear_matches_dequantized_weights(weights, tol):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 96, bias=True).to(torch.bfloat16)
+    q = LowPrecisionLinear(lin, weights, group_size=32)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    ref = lin(x).float()
+    q.active = True
+    got = q(x).float()
+    assert ((got - ref).norm() / ref.norm()) < tol
+    q.active = False
+    assert torch.equal(q(x), lin(x))
+
+
+def test_ngram_index_proposes_the_latest_continuation():
+    idx = NGramIndex(2)
+    idx.extend([1, 2, 3, 4, 1, 2, 5, 6, 1, 2])
+    assert idx.propose(3) == [5, 6, 1]  # after the latest earlier "1 2"
+    idx.extend([7])
+    assert idx.propose(3) == []  # "2 7" never occurred before
+    assert NGramIndex(3).propose(2) == []
+
+
+def test_bad_draft_options():
+    with pytest.raises(SelfSpecError, match="weights"):
+        DraftOptions(weights="fp8")
+    with pytest.raises(SelfSpecError, match="group_size"):
+        DraftOptions(weights="int4", group_size=48)
+    model = tiny_model("llama", vocab_size=96)
+    path = DraftPath(model, PLAN, DraftOptions())
+    with pytest.raises(SelfSpecError, match="another plan"):
+        self_speculative(model, PROMPT, SkipPlan(4, attn=(2,)), DecodeConfig(max_new_tokens=4), draft=path)

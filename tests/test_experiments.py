@@ -1,0 +1,201 @@
+"""Configs compose; task sets load; the evaluation runner, its resume, sweeps, W&B and the tables."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from selfspec import SelfSpecError, SkipPlan
+from selfspec.data import _keep_summarization, _sharegpt_first_turns, load_task_set
+from selfspec.tables import load_runs, main as tables_main, write_tables
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", _options("experiment"))
+def test_every_experiment_composes(experiment):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="evaluate", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
+    assert cfg.name == experiment
+    assert cfg.hydra.mode is not None  # every experiment file is a sweep
+    assert cfg.hydra.sweeper.params
+
+
+@pytest.mark.parametrize("group", ["model", "dataset", "decoding", "logger"])
+def test_every_group_option_composes_in_both_entry_points(group):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for option in _options(group):
+            for entry in ("evaluate", "search"):
+                if entry == "search" and group == "decoding":
+                    continue
+                cfg = compose(config_name=entry, overrides=[f"{group}={option}"])
+                assert cfg[group] is not None
+
+
+@pytest.mark.parametrize("name", ["default", "tiny"])
+def test_inline_task_sets(name):
+    ts = load_task_set(yaml.safe_load((CONF / "dataset" / f"{name}.yaml").read_text()))
+    assert ts.calibration and ts.eval
+    assert not {s.turns for s in ts.calibration} & {s.turns for s in ts.eval}
+
+
+def test_json_task_set_and_split_checks(tmp_path):
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps({"id": f"r{i}", "q": f"question {i}"}) + "\n" for i in range(10)))
+    cfg = {"name": "mine", "source": "json", "path": str(f), "format": "plain", "options": {"text_field": "q"},
+           "calibration": {"n": 3}, "eval": {"offset": 3, "n": 4, "stride": 2}}
+    ts = load_task_set(cfg)
+    assert [s.id for s in ts.calibration] == ["r0", "r1", "r2"]
+    assert [s.turns[0] for s in ts.eval] == ["question 3", "question 5", "question 7", "question 9"]
+    with pytest.raises(SelfSpecError, match="both the calibration and the eval"):
+        load_task_set({**cfg, "eval": {"offset": 2, "n": 2}})
+    with pytest.raises(SelfSpecError, match="only 10 samples"):
+        load_task_set({**cfg, "eval": {"offset": 5, "n": 6}})
+    with pytest.raises(SelfSpecError, match="no column"):
+        load_task_set({**cfg, "options": {"text_field": "nope"}})
+
+
+def test_sharegpt_parser_drops_the_truncated_tail(tmp_path):
+    convs = [{"id": "a", "conversations": [{"from": "human", "value": "hi"}]},
+             {"id": "b", "conversations": [{"from": "gpt", "value": "first turn is not human"}]},
+             {"id": "c", "conversations": [{"from": "human", "value": "x" * 50}]}]
+    raw = json.dumps(convs)
+    src = tmp_path / "sg.json"
+    src.write_text(raw[: raw.rindex("{") + 20])  # cut inside the last conversation
+    rows = [json.loads(l) for l in _sharegpt_first_turns(src, tmp_path / "out.jsonl").read_text().splitlines()]
+    assert rows == [{"id": "a", "text": "hi"}]
+
+
+def test_summarization_filter():
+    body = "word " * 400
+    assert _keep_summarization({"text": "Summarize this article:\n" + body}, {})
+    assert _keep_summarization({"text": body + "\nPlease write a short summary."}, {})
+    assert not _keep_summarization({"text": "Summarize: short"}, {})
+    assert not _keep_summarization({"text": "Read this, don't summarize it yet.\n" + body}, {})
+    assert not _keep_summarization({"text": body[:800] + " summary " + body[:800]}, {})  # only in the middle
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["humaneval", "gsm8k", "mtbench", "summarization"])
+def test_packaged_task_sets(name):
+    ts = load_task_set(yaml.safe_load((CONF / "dataset" / f"{name}.yaml").read_text()))
+    assert len(ts.calibration) >= 8 and len(ts.eval) >= 10
+    assert not {s.id for s in ts.calibration} & {s.id for s in ts.eval}
+    if name == "mtbench":
+        assert all(len(s.turns) == 2 for s in ts.eval)
+
+
+# -- the runner end to end on a tiny model ---------------------------------------------
+
+def _evaluate(*args, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / "evaluate.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "tiny.json"
+    SkipPlan(4, attn=(1,), mlp=(2,), model="tiny-llama", provenance={"k": 2}).save(path)
+    return path
+
+
+def test_sweep_writes_jsonl_wandb_and_a_table(tmp_path, tiny_plan):
+    runs = tmp_path / "runs"
+    p = _evaluate("+experiment=smoke", f"plan={tiny_plan}", f"hydra.sweep.dir={runs}/smoke", cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    files = sorted(runs.glob("smoke/tiny-llama/tiny/*/samples.jsonl"))
+    assert [f.parent.name for f in files] == ["decoding.k=2", "decoding.k=3"]  # one folder per job
+    for f in files:
+        lines = [json.loads(l) for l in f.read_text().splitlines()]
+        head, rows = lines[0], lines[1:]
+        assert head["type"] == "header" and head["provenance"]["git_commit"] is not None
+        assert head["provenance"]["config"]["dataset"]["name"] == "tiny"
+        assert len(rows) == 3 * 2  # 3 eval samples x 2 methods
+        two_turns = [r for r in rows if r["turns"] == 2]
+        assert len(two_turns) == 2 and all(len(r["output_text"]) == 2 for r in two_turns)
+        spec = [r for r in rows if r["method"] == "self_speculative"]
+        assert all(sum(r["accepted_per_position"]) == r["accepted"] for r in spec)
+        assert list(f.parent.glob("wandb/offline-run-*"))  # an offline W&B run in the run folder
+        assert json.loads((f.parent / "summary.json").read_text())["autoregressive"]["speedup"] == 1.0
+    tables, figures = tmp_path / "tables", tmp_path / "figures"
+    assert tables_main(["--runs", str(runs), "--tables", str(tables), "--figures", str(figures),
+                        "--studies", str(tmp_path / "none")]) == 0
+    md = (tables / "smoke.md").read_text()
+    assert md.count("| tiny-llama | tiny |") == 4
+    assert (tables / "smoke.tex").read_text().startswith("\\begin{tabular}")
+    assert (figures / "acceptance_by_position.png").stat().st_size > 0
+
+
+def test_a_failed_job_does_not_stop_the_sweep(tmp_path, tiny_plan):
+    runs = tmp_path / "runs"
+    p = _evaluate("-m", "model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", "name=x",
+                  "decoding.k=0,2", f"hydra.sweep.dir={runs}/x", cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "k (draft tokens per round) must be" in (runs / "x/tiny-llama/tiny/decoding.k=0/FAILED").read_text()
+    assert (runs / "x/tiny-llama/tiny/decoding.k=2/samples.jsonl").is_file()
+
+
+def test_resume_skips_finished_samples_and_refuses_other_settings(tmp_path, tiny_plan):
+    out = tmp_path / "run"
+    common = ["model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", f"hydra.run.dir={out}"]
+    assert _evaluate(*common, "n_samples=2", cwd=ROOT).returncode == 0
+    first = (out / "samples.jsonl").read_text().splitlines()
+    assert len(first) == 1 + 2 * 2
+    p = _evaluate(*common, cwd=ROOT)  # all 3 samples: only the third is decoded
+    assert p.returncode == 0 and "2 of 3 samples already done" in p.stderr
+    lines = (out / "samples.jsonl").read_text().splitlines()
+    assert lines[: len(first)] == first and len(lines) == 1 + 3 * 2
+    p = _evaluate(*common, "decoding.k=5", cwd=ROOT)
+    assert p.returncode == 2 and "another setting" in p.stderr
+
+
+# -- the table builder on fixed rows -----------------------------------------------------
+
+def _row(sample, method, tokens, time_s, drafted=0, accepted=0, rounds=0, sha="same", pos=None):
+    return {"type": "sample", "sample_id": sample, "method": method, "turns": 1, "new_tokens": tokens,
+            "wall_time_s": time_s, "tokens_per_s": tokens / time_s, "ttft_s": 0.1, "tpot_s": 0.05,
+            "token_latencies_s": [time_s / tokens] * tokens, "rounds": rounds, "drafted": drafted,
+            "accepted": accepted, "drafted_per_position": pos[0] if pos else [],
+            "accepted_per_position": pos[1] if pos else [], "output_sha256": sha}
+
+
+def test_table_builder_numbers(tmp_path):
+    head = {"type": "header", "model": "m", "dataset": "d", "baseline": "autoregressive",
+            "fingerprint": {"methods": ["autoregressive", "self_speculative"],
+                            "decode": {"autoregressive": {"k": 3}, "self_speculative": {"k": 3}},
+                            "plans": {"self_speculative": {"num_layers": 4, "attn": [1], "mlp": [0, 2]}}},
+            "extra_memory_bytes": {"self_speculative": 2 * 2**20}}
+    rows = [_row("a", "autoregressive", 10, 2.0), _row("b", "autoregressive", 30, 4.0),
+            _row("a", "self_speculative", 10, 1.0, 6, 3, 3, pos=([3, 2, 1], [2, 1, 0])),
+            _row("b", "self_speculative", 30, 2.0, 12, 9, 4, sha="other", pos=([4, 4, 4], [4, 3, 2]))]
+    f = tmp_path / "runs" / "exp" / "m" / "d" / "samples.jsonl"
+    f.parent.mkdir(parents=True)
+    f.write_text("".join(json.dumps(r) + "\n" for r in [head] + rows))
+    by_exp = write_tables(load_runs(tmp_path / "runs"), tmp_path / "tables")
+    ar, sp = by_exp["exp"]
+    assert ar["speedup"] == 1.0 and ar["tokens_per_s"] == pytest.approx(40 / 6)
+    assert sp["tokens_per_s"] == pytest.approx(40 / 3)
+    assert sp["speedup"] == pytest.approx(2.0)
+    assert sp["acceptance_rate"] == pytest.approx(12 / 18)
+    assert sp["mean_accepted_length"] == pytest.approx(1 + 12 / 7)
+    assert sp["greedy_match"] == 0.5
+    assert (sp["attn_skipped"], sp["mlp_skipped"], sp["k"]) == (1, 2, 3)
+    assert sp["acceptance_by_position"] == pytest.approx([6 / 7, 4 / 6, 2 / 5])
+    assert sp["extra_memory_mb"] == 2.0
+    csv_lines = (tmp_path / "tables" / "exp.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("model,dataset,variant,method") and len(csv_lines) == 3
+    assert "| m | d | default | self_speculative | 2 | 1 | 2 | 3 | 0.67 | 2.71 | 13.33 | 2.00x | 0.50 |" in \
+        (tmp_path / "tables" / "exp.md").read_text()
+    assert not math.isnan(sp["ttft_s"])
