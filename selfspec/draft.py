@@ -187,8 +187,16 @@ class DraftPath:
 
     @property
     def extra_bytes(self) -> int:
-        """Memory the draft path keeps beside the model (quantized copies and the cut head's rows)."""
-        head = self.head.rows.numel() * self.head.rows.element_size() if self.head and self.head.rows is not None else 0
+        """Memory the draft path keeps beside the model: quantized copies, the cut head's rows.
+
+        Before the first request the head's rows are counted for the base ids
+        (a request adds its prompt's tokens).
+        """
+        head = 0
+        if self.head is not None:
+            w = self.head.inner.weight
+            rows = self.head.rows.shape[0] if self.head.rows is not None else self.base_ids.numel()
+            head = rows * w.shape[1] * w.element_size()
         return sum(lin.extra_bytes for lin in self.linears) + head
 
     def prepare(self, prompt: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ from .evaluate import read_jsonl, summarize
 COLUMNS = ["model", "dataset", "variant", "method", "samples", "attn_skipped", "mlp_skipped", "k",
            "acceptance_rate", "mean_accepted_length", "tokens_per_s", "speedup", "greedy_match", "ttft_s",
            "tpot_s", "latency_p99_s", "extra_memory_mb"]
+COMPARED = ["autoregressive", "self_speculative", "hf_generate", "hf_prompt_lookup", "hf_assisted", "hf_early_exit"]
 HEADERS = {"model": "model", "dataset": "dataset", "variant": "run", "method": "method", "samples": "n",
            "attn_skipped": "attn skip", "mlp_skipped": "MLP skip", "k": "k", "acceptance_rate": "accept",
            "mean_accepted_length": "acc. len", "tokens_per_s": "tok/s", "speedup": "speedup",
@@ -139,6 +140,49 @@ def write_tables(runs: list[Run], out_dir: Path) -> dict[str, list[dict]]:
     return by_exp
 
 
+def method_comparison(by_exp: dict[str, list[dict]], experiments: list[str]) -> list[dict]:
+    """Speedup of every method over the autoregressive run *of its own run*, side by side.
+
+    One row per model x dataset with a column per method, merged over the
+    listed experiments (each method's number comes from a run where it and
+    the autoregressive baseline decoded the same prompts in one process).
+    """
+    cells: dict[tuple[str, str], dict] = {}
+    for name in experiments:
+        for r in by_exp.get(name, []):
+            if r["variant"] != "default":
+                continue
+            row = cells.setdefault((r["model"], r["dataset"]), {"model": r["model"], "dataset": r["dataset"]})
+            row[r["method"]] = r["speedup"]
+            if r["method"] == "autoregressive":
+                row.setdefault("ar_tokens_per_s", {})[name] = r["tokens_per_s"]
+            if r["method"] == "self_speculative":
+                row["self_speculative_match"] = r["greedy_match"]
+                row["self_speculative_acceptance"] = r["acceptance_rate"]
+    return [cells[k] for k in sorted(cells)]
+
+
+def write_method_comparison(rows: list[dict], methods: list[str], out: Path) -> None:
+    heads = ["model", "dataset", *methods, "acceptance (self_spec)", "match AR (self_spec)"]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    csv_lines = [",".join(heads)]
+    for r in rows:
+        vals = [r["model"], r["dataset"], *(_fmt("speedup", r.get(m)) for m in methods),
+                _fmt("acceptance_rate", r.get("self_speculative_acceptance")),
+                _fmt("greedy_match", r.get("self_speculative_match"))]
+        lines.append("| " + " | ".join(vals) + " |")
+        csv_lines.append(",".join(vals))
+    means = []
+    for m in methods:
+        xs = [r[m] for r in rows if r.get(m) is not None]
+        means.append(_fmt("speedup", sum(xs) / len(xs)) + f" (n={len(xs)})" if xs else "-")
+    lines.append("| mean over task sets | | " + " | ".join(means) + " | | |")
+    out.with_suffix(".md").write_text(
+        "Speedup in wall-clock tokens/s over our autoregressive loop, measured in the same process "
+        "on the same prompts.\n\n" + "\n".join(lines) + "\n")
+    out.with_suffix(".csv").write_text("\n".join(csv_lines) + "\n")
+
+
 # -- figures ---------------------------------------------------------------------------
 
 def _study_trials(studies: Path) -> dict[str, list]:
@@ -241,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     by_exp = write_tables(runs, Path(args.tables))
     for name, rows in by_exp.items():
         print(f"{args.tables}/{name}.{{md,tex,csv}}: {len(rows)} rows")
+    if {"main", "baselines"} & set(by_exp):
+        comparison = method_comparison(by_exp, ["main", "baselines"])
+        write_method_comparison(comparison, COMPARED, Path(args.tables) / "methods")
+        print(f"{args.tables}/methods.{{md,csv}}: {len(comparison)} rows")
     if not args.no_figures:
         for p in write_figures(by_exp, Path(args.studies), Path(args.figures)):
             print(p)

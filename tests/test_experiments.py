@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from selfspec import SelfSpecError, SkipPlan
 from selfspec.data import _keep_summarization, _sharegpt_first_turns, load_task_set
-from selfspec.tables import load_runs, main as tables_main, write_tables
+from selfspec.tables import load_runs, main as tables_main, method_comparison, write_method_comparison, write_tables
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -199,3 +199,7 @@ def test_table_builder_numbers(tmp_path):
     assert "| m | d | default | self_speculative | 2 | 1 | 2 | 3 | 0.67 | 2.71 | 13.33 | 2.00x | 0.50 |" in \
         (tmp_path / "tables" / "exp.md").read_text()
     assert not math.isnan(sp["ttft_s"])
+    (cmp_row,) = method_comparison(by_exp, ["exp"])
+    assert cmp_row["self_speculative"] == pytest.approx(2.0) and cmp_row["self_speculative_match"] == 0.5
+    write_method_comparison([cmp_row], ["autoregressive", "self_speculative"], tmp_path / "tables" / "methods")
+    assert "| m | d | 1.00x | 2.00x | 0.67 | 0.50 |" in (tmp_path / "tables" / "methods.md").read_text()
