@@ -27,7 +27,7 @@ from selfspec.models import encode_prompt, load_model
 from selfspec.provenance import git_commit
 
 
-def parse(setting: str, model: str, num_layers: int) -> tuple[SkipPlan, DraftOptions, DecodeConfig, dict]:
+def parse(setting: str, model: str, num_layers: int) -> tuple[SkipPlan, DraftOptions, dict]:
     kv = dict(item.split("=", 1) for item in setting.split())
     plan_arg = kv.get("plan", "default")
     if plan_arg == "empty":
@@ -82,14 +82,13 @@ def main() -> None:
         ar_tps = tot["ar_tokens"] / tot["ar_time"]
         sp_tps = tot["sp_tokens"] / tot["sp_time"]
         step = tot["ar_time"] / tot["ar_tokens"]
-        model_drafts = max(tot["drafted"] - 0, 1)
         res = {
             "setting": setting, "model": args.model, "datasets": args.datasets, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "plan": plan.describe(), "ar_tok_s": round(ar_tps, 3),
             "spec_tok_s": round(sp_tps, 3), "speedup": round(sp_tps / ar_tps, 3),
             "acceptance": round(tot["accepted"] / max(tot["drafted"], 1), 3),
             "tokens_per_round": round((tot["accepted"] + tot["rounds"]) / max(tot["rounds"], 1), 3),
-            "draft_step_over_ar_step": round(tot["draft_time"] / model_drafts / step, 3),
+            "draft_step_over_ar_step": round(tot["draft_time"] / max(tot["drafted"], 1) / step, 3),
             "verify_over_ar_step": round(tot["verify_time"] / max(tot["rounds"], 1) / step, 3),
             "copy_rounds": tot["copy_rounds"], "identical": f"{tot['match']}/{len(prompts)}",
             "extra_mb": round(path.extra_bytes / 2**20), "build_s": round(build_s, 1), "git_commit": git_commit(),

@@ -224,11 +224,15 @@ class _Speculator:
         self.path.prepare(self.run.prompt)
         self.run.start()
         if self.ngram is not None:
-            self.ngram.extend(self.run.prompt.tolist() + self.run.out)
+            self.ngram.extend(self.run.prompt.tolist())
 
     def copy_draft(self, k: int) -> tuple[list[int], list[torch.Tensor]]:
         """Up to ``k`` tokens copied from the context after a repeat of its last n tokens."""
-        drafts = self.ngram.propose(k) if self.ngram is not None else []
+        if self.ngram is None:
+            return [], []
+        run = self.run
+        self.ngram.extend(run.out[len(self.ngram.tokens) - run.prompt.numel():])  # catch up with the context
+        drafts = self.ngram.propose(k)
         qs = []
         if drafts and not self.cfg.sampling.greedy:  # the proposal distribution is a point mass
             vocab = self.run.model.get_output_embeddings().weight.shape[0]
@@ -274,10 +278,7 @@ class _Speculator:
         run, stats = self.run, self.run.stats
         k = min(self.cfg.k, self.cfg.max_new_tokens - len(run.out) - 1)
         if k < 1 or not self.speculating:
-            before = len(run.out)
             run.plain_step()
-            if self.ngram is not None:
-                self.ngram.extend(run.out[before:])
             return
         t0 = run.clock.now()
         drafts, qs = self.copy_draft(k)
@@ -290,8 +291,6 @@ class _Speculator:
         run.pos += n + 1
         run.pending = nxt
         kept = run.emit(drafts[:n] + [nxt])
-        if self.ngram is not None:
-            self.ngram.extend(kept)
         t2 = run.clock.now()
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1

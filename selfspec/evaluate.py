@@ -29,7 +29,7 @@ from .decoding import Generation
 from .errors import SelfSpecError
 from .methods import Method
 from .models import LoadedModel, encode_chat
-from .stats import DecodeStats
+from .stats import DecodeStats, percentile
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,7 @@ def run_sample(method: Method, lm: LoadedModel, sample: Sample) -> tuple[Generat
         gens.append(gen)
         texts.append(text)
         tokens.extend(gen.tokens)
-    stats = DecodeStats.merged([g.stats for g in gens]) if len(gens) > 1 else gens[0].stats
-    return Generation(tokens, stats), texts
+    return Generation(tokens, DecodeStats.merged([g.stats for g in gens])), texts
 
 
 def sample_row(sample: Sample, method: Method, gen: Generation, texts: list[str]) -> dict:
@@ -187,7 +186,7 @@ def summarize(rows: list[dict], baseline: str) -> dict[str, dict]:
         tokens = sum(r["new_tokens"] for r in rs)
         time_s = sum(r["wall_time_s"] for r in rs)
         drafted, accepted, rounds = (sum(r[k] for r in rs) for k in ("drafted", "accepted", "rounds"))
-        lat = sorted(x for r in rs for x in r["token_latencies_s"])
+        lat = [x for r in rs for x in r["token_latencies_s"]]
         width = max((len(r["drafted_per_position"]) for r in rs), default=0)
         d_pos = [sum(r["drafted_per_position"][i] for r in rs if i < len(r["drafted_per_position"])) for i in range(width)]
         a_pos = [sum(r["accepted_per_position"][i] for r in rs if i < len(r["accepted_per_position"])) for i in range(width)]
@@ -202,8 +201,8 @@ def summarize(rows: list[dict], baseline: str) -> dict[str, dict]:
             "acceptance_by_position": [a / d if d else float("nan") for a, d in zip(a_pos, d_pos)],
             "ttft_s": sum(r["ttft_s"] for r in rs) / len(rs),
             "tpot_s": _nanmean([r["tpot_s"] for r in rs]),
-            "latency_p50_s": _quantile(lat, 0.5),
-            "latency_p99_s": _quantile(lat, 0.99),
+            "latency_p50_s": percentile(lat, 0.5),
+            "latency_p99_s": percentile(lat, 0.99),
             "peak_rss_bytes": max(r.get("peak_rss_bytes", 0) for r in rs),
             "greedy_match": sum(matched) / len(matched) if matched else float("nan"),
         }
@@ -217,8 +216,3 @@ def _nanmean(xs: list[float]) -> float:
     xs = [x for x in xs if x == x]
     return sum(xs) / len(xs) if xs else float("nan")
 
-
-def _quantile(sorted_xs: list[float], q: float) -> float:
-    if not sorted_xs:
-        return float("nan")
-    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]

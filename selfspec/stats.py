@@ -32,7 +32,7 @@ class Clock:
         return time.perf_counter()
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q))
@@ -132,8 +132,8 @@ class DecodeStats:
             "tokens_per_s": self.new_tokens / self.total_time if self.total_time > 0 else float("nan"),
             "ttft_s": self.ttft / self.requests if self.requests else float("nan"),
             "tpot_s": decode_time / after_first if after_first else float("nan"),
-            "latency_p50_s": _percentile(self.token_latencies, 0.5),
-            "latency_p99_s": _percentile(self.token_latencies, 0.99),
+            "latency_p50_s": percentile(self.token_latencies, 0.5),
+            "latency_p99_s": percentile(self.token_latencies, 0.99),
             "prefill_time_s": self.prefill_time,
             "draft_time_s": self.draft_time,
             "verify_time_s": self.verify_time,

@@ -89,9 +89,7 @@ def _fmt(key: str, v) -> str:
         return "-"
     if key == "speedup":
         return f"{v:.2f}x"
-    if key in ("acceptance_rate", "greedy_match", "mean_accepted_length"):
-        return f"{v:.2f}"
-    if key in ("tokens_per_s",):
+    if key in ("acceptance_rate", "greedy_match", "mean_accepted_length", "tokens_per_s"):
         return f"{v:.2f}"
     if key in ("ttft_s", "tpot_s", "latency_p99_s"):
         return f"{v:.3f}"
