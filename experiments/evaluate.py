@@ -31,7 +31,7 @@ from selfspec.methods import build_method
 from selfspec.models import load_model
 from selfspec.provenance import provenance
 from selfspec.sampling import SamplingParams
-from selfspec.wandb_logger import WandbLogger
+from selfspec.search import WandbLogger
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 TABLE_COLUMNS = ["sample_id", "method", "turns", "prompt_tokens", "new_tokens", "wall_time_s", "tokens_per_s",
@@ -100,6 +100,7 @@ def main(cfg: DictConfig) -> None:
                          name=f"{cfg.name}/{cfg.model.name}/{cfg.dataset.name}/{out_dir.name}")
     try:
         summary = run(cfg, out_dir, logger)
+        (out_dir / "FAILED").unlink(missing_ok=True)  # a rerun that succeeds clears an earlier failure
         print(f"{cfg.model.name} / {cfg.dataset.name} -> {out_dir}")
         print_summary(summary, cfg.baseline)
         logger.finish()

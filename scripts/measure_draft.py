@@ -5,7 +5,7 @@
 
 Each setting is a space-separated list of key=value: plan (a plan file, `empty`, or `default`
 for results/plans/<model>-default.json), weights (model|int8|int4), group (int4 group size),
-head (draft LM head tokens, 0 = full), ngram, k, adaptive (0|1), threshold.
+head (draft LM head tokens, 0 = full), ngram, copy (longest copy draft, 0 = k), k, adaptive (0|1), threshold.
 Prompts are the datasets' *calibration* samples (never the eval ones). AR and each setting
 run interleaved per prompt after a warm-up; the ratio of total tokens/s is printed and
 appended as one JSON line to --out.
@@ -37,7 +37,8 @@ def parse(setting: str, model: str, num_layers: int) -> tuple[SkipPlan, DraftOpt
     else:
         plan = SkipPlan.load(plan_arg)
     opts = DraftOptions(weights=kv.get("weights", "model"), group_size=int(kv.get("group", 32)),
-                        head_tokens=int(kv.get("head", 0)), ngram=int(kv.get("ngram", 0)))
+                        head_tokens=int(kv.get("head", 0)), ngram=int(kv.get("ngram", 0)),
+                        copy_tokens=int(kv.get("copy", 0)))
     return plan, opts, kv
 
 

@@ -276,12 +276,13 @@ class _Speculator:
 
     def round(self) -> None:
         run, stats = self.run, self.run.stats
-        k = min(self.cfg.k, self.cfg.max_new_tokens - len(run.out) - 1)
+        room = self.cfg.max_new_tokens - len(run.out) - 1
+        k = min(self.cfg.k, room)
         if k < 1 or not self.speculating:
             run.plain_step()
             return
         t0 = run.clock.now()
-        drafts, qs = self.copy_draft(k)
+        drafts, qs = self.copy_draft(min(self.path.options.copy_tokens or k, room))
         if drafts:
             stats.copy_rounds += 1
         else:
@@ -333,7 +334,8 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
         draft = DraftPath(model, plan, DraftOptions())
     elif draft.plan != plan or draft.model is not model:
         raise SelfSpecError("the draft path was built for another plan or model")
-    run = _Run(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=cfg.k + 1)
+    longest = max(cfg.k, draft.options.copy_tokens if draft.options.ngram else 0)
+    run = _Run(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
     spec = _Speculator(run, draft)
     with torch.inference_mode():
         spec.start()

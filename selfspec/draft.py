@@ -15,6 +15,9 @@ second model and without touching what verification computes:
   lowest ids, which byte-pair merge order makes the most frequent ones, plus
   the prompt's own tokens and the stop tokens); the others get ``-inf``.
   The full head of a 150k-token vocabulary costs as much as a few layers.
+- ``ngram: n``: when the last n tokens occurred earlier in the context, the
+  round drafts by copying what followed them (prompt lookup, :class:`NGramIndex`),
+  up to ``copy_tokens`` tokens (default: k), and runs no draft forward at all.
 
 Both are switched on only inside ``with path.drafting():`` (together with the
 skip plan) by wrapping modules of *that* model instance in place, as
@@ -27,7 +30,7 @@ proposes.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import torch
@@ -46,18 +49,31 @@ class DraftOptions:
     group_size: int = 32  # int4 quantization group (along the input dimension)
     head_tokens: int = 0  # 0 = the full LM head while drafting; N = N token ids + prompt + stop tokens
     ngram: int = 0  # 0 = off; n >= 1: draft by copying what followed the last n tokens in the context
+    copy_tokens: int = 0  # longest copy draft; 0 = k, like the layer-skip draft
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
             raise SelfSpecError(f"draft weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
-        if self.head_tokens < 0 or self.ngram < 0:
-            raise SelfSpecError("head_tokens and ngram must be >= 0")
+        if self.head_tokens < 0 or self.ngram < 0 or self.copy_tokens < 0:
+            raise SelfSpecError("head_tokens, ngram and copy_tokens must be >= 0")
         if self.weights == "int4" and self.group_size not in (32, 64, 128, 256):
             raise SelfSpecError(f"int4 group_size must be 32, 64, 128 or 256, got {self.group_size}")
 
     @property
     def plain(self) -> bool:
         return self.weights == "model" and self.head_tokens == 0
+
+    def record(self) -> dict | None:
+        """The options as a run records them (None for the plan-only draft).
+
+        ``copy_tokens`` appears only when set, so runs recorded before it existed still resume.
+        """
+        if self.plain and not self.ngram:
+            return None
+        rec = asdict(self)
+        if not self.copy_tokens:
+            del rec["copy_tokens"]
+        return rec
 
 
 def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

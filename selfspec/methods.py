@@ -10,7 +10,7 @@ and count new tokens the same way (EOS included, cut at ``max_new_tokens``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .decoding import DecodeConfig, Generation, autoregressive, self_speculative
@@ -54,7 +54,7 @@ def _self_speculative(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None,
     path = DraftPath(lm.model, plan, options, stop_ids=lm.eos_ids)
     return Method("self_speculative",
                   lambda ids, c: self_speculative(lm.model, ids, plan, c, lm.eos_ids, draft=path), cfg, plan,
-                  extra_memory_bytes=path.extra_bytes, info=None if options.plain and not options.ngram else asdict(options))
+                  extra_memory_bytes=path.extra_bytes, info=options.record())
 
 
 BUILDERS: dict[str, Callable[[LoadedModel, DecodeConfig, SkipPlan | None, dict], Method]] = {

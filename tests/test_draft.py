@@ -62,6 +62,21 @@ def test_quantized_linear_matches_dequantized_weights(weights, tol):
     assert torch.equal(q(x), lin(x))
 
 
+def test_copy_drafts_longer_than_k_stay_exact():
+    model = tiny_model("qwen2", vocab_size=96)
+    prompt = PROMPT * 3  # long repeats: copy drafts can run to copy_tokens
+    path = DraftPath(model, PLAN, DraftOptions(ngram=1, copy_tokens=7))
+    runs = {}
+    for n in (40, 12):  # 12: copy drafts are cut to the room left, and the cache holds them
+        cfg = DecodeConfig(max_new_tokens=n, k=2, fallback=False)
+        runs[n] = self_speculative(model, prompt, PLAN, cfg, draft=path)
+        assert runs[n].tokens == autoregressive(model, prompt, cfg).tokens
+    assert runs[40].stats.copy_rounds > 0
+    assert len(runs[40].stats.drafted_per_position) > 2  # some round drafted more than k
+    assert "copy_tokens" not in DraftOptions(ngram=1).record()  # older runs' records stay as they were
+    assert DraftOptions(ngram=1, copy_tokens=7).record()["copy_tokens"] == 7
+
+
 def test_ngram_index_proposes_the_latest_continuation():
     idx = NGramIndex(2)
     idx.extend([1, 2, 3, 4, 1, 2, 5, 6, 1, 2])

@@ -150,7 +150,10 @@ def test_a_failed_job_does_not_stop_the_sweep(tmp_path, tiny_plan):
 def test_resume_skips_finished_samples_and_refuses_other_settings(tmp_path, tiny_plan):
     out = tmp_path / "run"
     common = ["model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", f"hydra.run.dir={out}"]
+    out.mkdir()
+    (out / "FAILED").write_text("an earlier attempt failed\n")
     assert _evaluate(*common, "n_samples=2", cwd=ROOT).returncode == 0
+    assert not (out / "FAILED").exists()  # the run that succeeded clears the earlier failure
     first = (out / "samples.jsonl").read_text().splitlines()
     assert len(first) == 1 + 2 * 2
     p = _evaluate(*common, cwd=ROOT)  # all 3 samples: only the third is decoded
