@@ -1,0 +1,83 @@
+"""Our autoregressive loop against transformers' ``generate``, step by step (issue 5, goal 3).
+
+    python scripts/ar_vs_hf.py --model qwen2.5-coder-1.5b --reps 3 --max-new-tokens 64
+
+Both methods come from the evaluation harness (``build_method``), decode the same
+*calibration* prompts (never eval rows) after a warm-up, alternating which goes first.
+Printed and appended as one JSON line to --out: total tokens/s of each, the median
+per-token latency after the first token, and with --profile the operators where each
+spends its CPU time (torch.profiler over one run each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import yaml
+
+from selfspec.data import load_task_set
+from selfspec.decoding import DecodeConfig
+from selfspec.methods import build_method
+from selfspec.models import encode_prompt, load_model
+from selfspec.provenance import git_commit
+
+METHODS = ("autoregressive", "hf_generate")
+
+
+def top_ops(fn, n: int = 12) -> list[dict]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
+    return [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 1), "calls": e.count} for e in events]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k"])
+    ap.add_argument("--prompts", type=int, default=1, help="calibration prompts per dataset")
+    ap.add_argument("--reps", type=int, default=3, help="runs of each method per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--profile", action="store_true", help="also profile one run of each method")
+    ap.add_argument("--out", default="results/ar_vs_hf.jsonl")
+    args = ap.parse_args()
+    lm = load_model(args.model)
+    prompts = []
+    for name in args.datasets:
+        ts = load_task_set(yaml.safe_load(Path(f"conf/dataset/{name}.yaml").read_text()))
+        prompts += [encode_prompt(lm.tokenizer, s.turns[0]) for s in ts.calibration[: args.prompts]]
+    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens)
+    methods = {m: build_method(m, lm, cfg) for m in METHODS}
+    for m in methods.values():
+        m.generate(prompts[0], 8)  # warm-up
+    tokens = dict.fromkeys(METHODS, 0)
+    seconds = dict.fromkeys(METHODS, 0.0)
+    steps: dict[str, list[float]] = {m: [] for m in METHODS}
+    for rep in range(args.reps):
+        for i, ids in enumerate(prompts):
+            order = METHODS if (rep + i) % 2 == 0 else METHODS[::-1]
+            for name in order:
+                st = methods[name].generate(ids).stats
+                tokens[name] += st.new_tokens
+                seconds[name] += st.total_time
+                steps[name] += st.token_latencies[1:]
+    res = {"model": args.model, "datasets": args.datasets, "prompts": len(prompts), "reps": args.reps,
+           "max_new_tokens": args.max_new_tokens, "git_commit": git_commit()}
+    for name in METHODS:
+        res[name] = {"tok_s": round(tokens[name] / seconds[name], 3),
+                     "median_step_ms": round(1e3 * statistics.median(steps[name]), 1)}
+    res["hf_generate_over_ours"] = round(res["hf_generate"]["tok_s"] / res["autoregressive"]["tok_s"], 3)
+    if args.profile:
+        for name in METHODS:
+            res[name]["top_ops"] = top_ops(lambda name=name: methods[name].generate(prompts[0], 32))
+    print(json.dumps(res, indent=1), flush=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()
