@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 
 import torch
-import yaml
+from _calibration import calibration_prompts
 
-from selfspec.data import load_task_set
 from selfspec.decoding import DecodeConfig
 from selfspec.methods import build_method
-from selfspec.models import encode_prompt, load_model
+from selfspec.models import load_model
 from selfspec.provenance import git_commit
 
 METHODS = ("autoregressive", "hf_generate")
@@ -46,10 +44,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/ar_vs_hf.jsonl")
     args = ap.parse_args()
     lm = load_model(args.model)
-    prompts = []
-    for name in args.datasets:
-        ts = load_task_set(yaml.safe_load(Path(f"conf/dataset/{name}.yaml").read_text()))
-        prompts += [encode_prompt(lm.tokenizer, s.turns[0]) for s in ts.calibration[: args.prompts]]
+    prompts = calibration_prompts(lm.tokenizer, args.datasets, args.prompts)
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens)
     methods = {m: build_method(m, lm, cfg) for m in METHODS}
     for m in methods.values():

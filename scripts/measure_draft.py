@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
-import yaml
+from _calibration import calibration_prompts
 
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
-from selfspec.data import load_task_set
 from selfspec.draft import DraftOptions, DraftPath
-from selfspec.models import encode_prompt, load_model
+from selfspec.models import load_model
 from selfspec.provenance import git_commit
 
 
@@ -52,10 +50,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/draft_settings.jsonl")
     args = ap.parse_args()
     lm = load_model(args.model)
-    prompts = []
-    for name in args.datasets:
-        ts = load_task_set(yaml.safe_load(Path(f"conf/dataset/{name}.yaml").read_text()))
-        prompts += [encode_prompt(lm.tokenizer, s.turns[0]) for s in ts.calibration[: args.prompts]]
+    prompts = calibration_prompts(lm.tokenizer, args.datasets, args.prompts)
     n_layers = lm.model.config.num_hidden_layers
     for setting in args.setting:
         plan, opts, kv = parse(setting, args.model, n_layers)
