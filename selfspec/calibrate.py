@@ -24,6 +24,7 @@ import torch
 
 from .cache import PositionalKVCache
 from .decoding import DecodeConfig, autoregressive, forward_at
+from .packed import weight_packer
 from .plan import SkipPlan
 from .skip import layer_skipper
 from .stats import Clock
@@ -131,8 +132,12 @@ class CostModel:
         return cls(d["t_full"], d["t_attn"], d["t_mlp"], {int(k): v for k, v in d["t_verify"].items()}, d["num_layers"])
 
 
-def measure_costs(model, context: list[int], k_max: int = 8, reps: int = 7) -> CostModel:
-    """Time the forwards the cost model needs (median of ``reps`` after one warm-up each)."""
+def measure_costs(model, context: list[int], k_max: int = 8, reps: int = 7, packed: bool = True) -> CostModel:
+    """Time the forwards the cost model needs (median of ``reps`` after one warm-up each).
+
+    ``packed``: time them as decoding runs them by default, on the packed weights
+    (:mod:`selfspec.packed`).
+    """
     skipper = layer_skipper(model)
     n = skipper.num_layers
     device = next(model.parameters()).device
@@ -158,7 +163,8 @@ def measure_costs(model, context: list[int], k_max: int = 8, reps: int = 7) -> C
             forward(m)
             return clock.now() - t0
 
-    with torch.inference_mode():
+    packer = weight_packer(model) if packed else None
+    with torch.inference_mode(), packer.packed() if packer is not None else nullcontext():
         forward_at(model, cache, tokens, 0, keep=1)
         for rep in range(reps + 1):
             for name, m, plan in configs:

@@ -21,13 +21,16 @@ Invariants:
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
 from .cache import PositionalKVCache
 from .draft import DraftOptions, DraftPath, NGramIndex
 from .errors import SelfSpecError
+from .packed import weight_packer
 from .plan import SkipPlan
 from .sampling import SamplingParams, probs_from_logits, sample, verify_greedy, verify_sampling
 from .stats import Clock, DecodeStats
@@ -41,6 +44,10 @@ class DecodeConfig:
     draft probability is below ``threshold``; after each round the threshold
     moves up by ``threshold_step`` when the running acceptance is under
     ``target_acceptance`` and down otherwise.
+
+    ``packed_weights``: run the model's bf16 linears on copies prepacked for
+    oneDNN (:mod:`selfspec.packed`; same tokens, faster steps, the copies'
+    memory extra); ignored where nothing can be packed.
 
     Fallback: after ``fallback_min_rounds`` rounds, when the running
     tokens-per-round times the verify time falls under the running round
@@ -58,6 +65,7 @@ class DecodeConfig:
     fallback_min_rounds: int = 8
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
+    packed_weights: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
@@ -195,10 +203,18 @@ class _Run:
         return Generation(tokens=list(self.out), stats=self.stats)
 
 
+@contextmanager
+def _decoding(model, cfg: DecodeConfig) -> Iterator[None]:
+    """What both methods decode inside: no autograd, and the packed weights when asked for."""
+    packer = weight_packer(model) if cfg.packed_weights else None
+    with torch.inference_mode(), packer.packed() if packer is not None else nullcontext():
+        yield
+
+
 def autoregressive(model, prompt_ids, cfg: DecodeConfig, eos_ids=()) -> Generation:
     """Plain decoding: one full-depth forward per new token."""
     run = _Run(model, prompt_ids, cfg, eos_ids, "autoregressive", extra_slots=1)
-    with torch.inference_mode():
+    with _decoding(model, cfg):
         run.start()
         while not run.done:
             run.plain_step()
@@ -337,7 +353,7 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
     longest = max(cfg.k, draft.options.copy_tokens if draft.options.ngram else 0)
     run = _Run(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
     spec = _Speculator(run, draft)
-    with torch.inference_mode():
+    with _decoding(model, cfg):
         spec.start()
         while not run.done:
             spec.round()

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .errors import SelfSpecError
+from .packed import PackedLinear
 from .plan import SkipPlan
 from .skip import layer_skipper
 
@@ -99,9 +100,9 @@ def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
 class LowPrecisionLinear(nn.Module):
     """An ``nn.Linear`` with a weight-only quantized copy used while ``active``."""
 
-    def __init__(self, inner: nn.Linear, weights: str, group_size: int) -> None:
+    def __init__(self, inner: nn.Module, weights: str, group_size: int) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner = inner  # an nn.Linear, or its PackedLinear
         self.out_features = inner.out_features
         self.active = False
         self.kind, self.group = "", 0
@@ -243,7 +244,7 @@ def _wrap_linears(module: nn.Module, options: DraftOptions) -> list[LowPrecision
         if isinstance(child, LowPrecisionLinear):
             child.configure(options.weights, options.group_size)
             out.append(child)
-        elif isinstance(child, nn.Linear):
+        elif isinstance(child, (nn.Linear, PackedLinear)):  # a packed linear stays inside the draft's copy
             wrapped = LowPrecisionLinear(child, options.weights, options.group_size)
             setattr(module, name, wrapped)
             out.append(wrapped)

@@ -17,6 +17,7 @@ from .decoding import DecodeConfig, Generation, autoregressive, self_speculative
 from .draft import DraftOptions, DraftPath
 from .errors import SelfSpecError
 from .models import LoadedModel
+from .packed import weight_packer
 from .plan import SkipPlan
 
 
@@ -42,8 +43,14 @@ class Method:
         return gen
 
 
+def _packed_bytes(lm: LoadedModel, cfg: DecodeConfig) -> int:
+    """Packs the weights now (not inside a timed request) and returns the copies' size."""
+    return weight_packer(lm.model).extra_bytes if cfg.packed_weights else 0
+
+
 def _autoregressive(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: dict) -> Method:
-    return Method("autoregressive", lambda ids, c: autoregressive(lm.model, ids, c, lm.eos_ids), cfg)
+    return Method("autoregressive", lambda ids, c: autoregressive(lm.model, ids, c, lm.eos_ids), cfg,
+                  extra_memory_bytes=_packed_bytes(lm, cfg))
 
 
 def _self_speculative(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: dict) -> Method:
@@ -54,7 +61,7 @@ def _self_speculative(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None,
     path = DraftPath(lm.model, plan, options, stop_ids=lm.eos_ids)
     return Method("self_speculative",
                   lambda ids, c: self_speculative(lm.model, ids, plan, c, lm.eos_ids, draft=path), cfg, plan,
-                  extra_memory_bytes=path.extra_bytes, info=options.record())
+                  extra_memory_bytes=path.extra_bytes + _packed_bytes(lm, cfg), info=options.record())
 
 
 BUILDERS: dict[str, Callable[[LoadedModel, DecodeConfig, SkipPlan | None, dict], Method]] = {

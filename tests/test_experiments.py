@@ -205,4 +205,11 @@ def test_table_builder_numbers(tmp_path):
     (cmp_row,) = method_comparison(by_exp, ["exp"])
     assert cmp_row["self_speculative"] == pytest.approx(2.0) and cmp_row["self_speculative_match"] == 0.5
     write_method_comparison([cmp_row], ["autoregressive", "self_speculative"], tmp_path / "tables" / "methods")
-    assert "| m | d | 1.00x | 2.00x | 0.67 | 0.50 |" in (tmp_path / "tables" / "methods.md").read_text()
+    methods_md = (tmp_path / "tables" / "methods.md").read_text()
+    assert "| m | d | 1.00x | 2.00x | 0.67 | 0.50 |" in methods_md
+    assert "- from run `exp`: autoregressive, self_speculative" in methods_md
+    # a later experiment's number replaces an earlier one's, and the note says where each came from
+    later = [dict(r, speedup=3.0) for r in by_exp["exp"] if r["method"] == "self_speculative"]
+    (merged,) = method_comparison({"exp": by_exp["exp"], "later": later}, ["exp", "later"])
+    assert merged["self_speculative"] == 3.0
+    assert merged["sources"] == {"autoregressive": "exp", "self_speculative": "later"}
