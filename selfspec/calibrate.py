@@ -24,7 +24,7 @@ import torch
 
 from .cache import PositionalKVCache
 from .decoding import DecodeConfig, autoregressive, forward_at
-from .packed import weight_packer
+from .packed import packed_weights
 from .plan import SkipPlan
 from .skip import layer_skipper
 from .stats import Clock
@@ -163,8 +163,7 @@ def measure_costs(model, context: list[int], k_max: int = 8, reps: int = 7, pack
             forward(m)
             return clock.now() - t0
 
-    packer = weight_packer(model) if packed else None
-    with torch.inference_mode(), packer.packed() if packer is not None else nullcontext():
+    with torch.inference_mode(), packed_weights(model, packed):
         forward_at(model, cache, tokens, 0, keep=1)
         for rep in range(reps + 1):
             for name, m, plan in configs:

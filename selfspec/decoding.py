@@ -21,16 +21,14 @@ Invariants:
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
 from .cache import PositionalKVCache
 from .draft import DraftOptions, DraftPath, NGramIndex
 from .errors import SelfSpecError
-from .packed import weight_packer
+from .packed import packed_weights
 from .plan import SkipPlan
 from .sampling import SamplingParams, probs_from_logits, sample, verify_greedy, verify_sampling
 from .stats import Clock, DecodeStats
@@ -203,18 +201,10 @@ class _Run:
         return Generation(tokens=list(self.out), stats=self.stats)
 
 
-@contextmanager
-def _decoding(model, cfg: DecodeConfig) -> Iterator[None]:
-    """What both methods decode inside: no autograd, and the packed weights when asked for."""
-    packer = weight_packer(model) if cfg.packed_weights else None
-    with torch.inference_mode(), packer.packed() if packer is not None else nullcontext():
-        yield
-
-
 def autoregressive(model, prompt_ids, cfg: DecodeConfig, eos_ids=()) -> Generation:
     """Plain decoding: one full-depth forward per new token."""
     run = _Run(model, prompt_ids, cfg, eos_ids, "autoregressive", extra_slots=1)
-    with _decoding(model, cfg):
+    with torch.inference_mode(), packed_weights(model, cfg.packed_weights):
         run.start()
         while not run.done:
             run.plain_step()
@@ -353,7 +343,7 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
     longest = max(cfg.k, draft.options.copy_tokens if draft.options.ngram else 0)
     run = _Run(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
     spec = _Speculator(run, draft)
-    with _decoding(model, cfg):
+    with torch.inference_mode(), packed_weights(model, cfg.packed_weights):
         spec.start()
         while not run.done:
             spec.round()

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .errors import SelfSpecError
-from .packed import PackedLinear
+from .packed import LinearWrapper, PackedLinear
 from .plan import SkipPlan
 from .skip import layer_skipper
 
@@ -97,14 +97,11 @@ def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
     return packed, sz
 
 
-class LowPrecisionLinear(nn.Module):
-    """An ``nn.Linear`` with a weight-only quantized copy used while ``active``."""
+class LowPrecisionLinear(LinearWrapper):
+    """An ``nn.Linear`` (or its PackedLinear) with a weight-only quantized copy used while ``active``."""
 
     def __init__(self, inner: nn.Module, weights: str, group_size: int) -> None:
-        super().__init__()
-        self.inner = inner  # an nn.Linear, or its PackedLinear
-        self.out_features = inner.out_features
-        self.active = False
+        super().__init__(inner)
         self.kind, self.group = "", 0
         self.configure(weights, group_size)
 
@@ -118,14 +115,6 @@ class LowPrecisionLinear(nn.Module):
             self.qweight, self.qscale = _quantize_int8(w)
         else:
             self.qweight, self.qscale = _quantize_int4(w, group_size)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.inner.bias
 
     @property
     def extra_bytes(self) -> int:

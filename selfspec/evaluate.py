@@ -25,7 +25,7 @@ from typing import Callable
 from tqdm.auto import tqdm
 
 from .data import Sample, TaskSet
-from .decoding import Generation
+from .decoding import DecodeConfig, Generation
 from .errors import SelfSpecError
 from .methods import Method
 from .models import LoadedModel, encode_chat
@@ -109,6 +109,18 @@ def read_jsonl(path: Path) -> tuple[dict | None, list[dict]]:
     return header, rows
 
 
+def decode_record(cfg: DecodeConfig) -> dict:
+    """The decoding settings as a run's fingerprint records them.
+
+    ``packed_weights`` appears only when on: runs recorded before it existed
+    decoded on the weights as loaded and resume with ``decoding.packed_weights=false``.
+    """
+    rec = asdict(cfg)
+    if not cfg.packed_weights:
+        del rec["packed_weights"]
+    return rec
+
+
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -127,7 +139,7 @@ def evaluate(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings: E
     fingerprint = {
         "model": lm.name, "dtype": lm.info.get("dtype"), "dataset": tasks.name,
         "max_new_tokens": methods[0].cfg.max_new_tokens, "methods": names,
-        "decode": {m.name: asdict(m.cfg) for m in methods},
+        "decode": {m.name: decode_record(m.cfg) for m in methods},
         "plans": {m.name: {"num_layers": m.plan.num_layers, "attn": m.plan.attn, "mlp": m.plan.mlp}
                   for m in methods if m.plan is not None},
         "method_info": {m.name: m.info for m in methods if m.info},

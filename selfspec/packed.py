@@ -34,16 +34,19 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
-class PackedLinear(nn.Module):
-    """An ``nn.Linear`` that also keeps its weight in oneDNN's layout, used while ``active``."""
+class LinearWrapper(nn.Module):
+    """A linear layer wrapped in place, with another way to compute it while ``active``.
 
-    def __init__(self, inner: nn.Linear) -> None:
+    Reads as the wrapped layer (``weight``, ``bias``, feature counts); the
+    subclass's ``forward`` calls ``inner`` when not active.
+    """
+
+    def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
         self.out_features = inner.out_features
         self.in_features = inner.in_features
         self.active = False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(inner.weight.detach(), 1)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -52,6 +55,14 @@ class PackedLinear(nn.Module):
     @property
     def bias(self) -> torch.Tensor | None:
         return self.inner.bias
+
+
+class PackedLinear(LinearWrapper):
+    """An ``nn.Linear`` that also keeps its weight in oneDNN's layout, used while ``active``."""
+
+    def __init__(self, inner: nn.Linear) -> None:
+        super().__init__(inner)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(inner.weight.detach(), 1)
 
     @property
     def extra_bytes(self) -> int:
@@ -77,11 +88,8 @@ class WeightPacker:
         return sum(lin.extra_bytes for lin in self.linears)
 
     @contextmanager
-    def packed(self, on: bool = True) -> Iterator[None]:
+    def packed(self) -> Iterator[None]:
         """Within the block the wrapped linears use their packed weights (blocks may nest)."""
-        if not on:
-            yield
-            return
         self.depth += 1
         try:
             for lin in self.linears:
@@ -118,3 +126,13 @@ def weight_packer(model: nn.Module) -> WeightPacker:
         packer = WeightPacker(model)
         model.__dict__[_PACKER_ATTR] = packer
     return packer
+
+
+@contextmanager
+def packed_weights(model: nn.Module, on: bool = True) -> Iterator[None]:
+    """Run ``model`` on its packed weights inside the block (packing them on first use); ``on=False``: as loaded."""
+    if not on:
+        yield
+        return
+    with weight_packer(model).packed():
+        yield

@@ -11,8 +11,9 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from selfspec import SelfSpecError, SkipPlan
+from selfspec import DecodeConfig, SelfSpecError, SkipPlan
 from selfspec.data import _keep_summarization, _sharegpt_first_turns, load_task_set
+from selfspec.evaluate import decode_record
 from selfspec.tables import load_runs, main as tables_main, method_comparison, write_method_comparison, write_tables
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,6 +163,14 @@ def test_resume_skips_finished_samples_and_refuses_other_settings(tmp_path, tiny
     assert lines[: len(first)] == first and len(lines) == 1 + 3 * 2
     p = _evaluate(*common, "decoding.k=5", cwd=ROOT)
     assert p.returncode == 2 and "another setting" in p.stderr
+    p = _evaluate(*common, "decoding.packed_weights=false", cwd=ROOT)
+    assert p.returncode == 2 and "another setting" in p.stderr
+
+
+def test_runs_recorded_before_packed_weights_resume_with_them_off():
+    assert "packed_weights" not in decode_record(DecodeConfig(packed_weights=False))
+    rec = decode_record(DecodeConfig())
+    assert rec["packed_weights"] is True and rec["k"] == DecodeConfig().k
 
 
 # -- the table builder on fixed rows -----------------------------------------------------
@@ -207,7 +216,7 @@ def test_table_builder_numbers(tmp_path):
     write_method_comparison([cmp_row], ["autoregressive", "self_speculative"], tmp_path / "tables" / "methods")
     methods_md = (tmp_path / "tables" / "methods.md").read_text()
     assert "| m | d | 1.00x | 2.00x | 0.67 | 0.50 |" in methods_md
-    assert "- from run `exp`: autoregressive, self_speculative" in methods_md
+    assert "- from run `exp` (over the autoregressive loop of that run): autoregressive, self_speculative" in methods_md
     # a later experiment's number replaces an earlier one's, and the note says where each came from
     later = [dict(r, speedup=3.0) for r in by_exp["exp"] if r["method"] == "self_speculative"]
     (merged,) = method_comparison({"exp": by_exp["exp"], "later": later}, ["exp", "later"])
