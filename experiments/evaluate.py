@@ -48,6 +48,7 @@ def decode_config(cfg: DictConfig, dataset_max_new: int, plan: SkipPlan | None) 
         adaptive=d["adaptive"], threshold=d["threshold"], threshold_step=d["threshold_step"],
         target_acceptance=d["target_acceptance"], fallback=d["fallback"],
         fallback_min_rounds=d["fallback_min_rounds"], seed=d["seed"], packed_weights=d["packed_weights"],
+        packed_only=d["packed_only"],
         sampling=SamplingParams(temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"]),
     )
 

@@ -45,7 +45,10 @@ class DecodeConfig:
 
     ``packed_weights``: run the model's bf16 linears on copies prepacked for
     oneDNN (:mod:`selfspec.packed`; same tokens, faster steps, the copies'
-    memory extra); ignored where nothing can be packed.
+    memory extra); ignored where nothing can be packed. ``packed_only``: free
+    the dense weights once packed, so packing adds no memory; the model then
+    computes on the packed weights outside our loop too (same results), so
+    transformers' methods cannot serve as a stock baseline in that process.
 
     Fallback: after ``fallback_min_rounds`` rounds, when the running
     tokens-per-round times the verify time falls under the running round
@@ -64,6 +67,7 @@ class DecodeConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     packed_weights: bool = True
+    packed_only: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
@@ -72,6 +76,8 @@ class DecodeConfig:
             raise SelfSpecError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if not 0.0 <= self.threshold < 1.0:
             raise SelfSpecError(f"threshold must be in [0, 1), got {self.threshold}")
+        if self.packed_only and not self.packed_weights:
+            raise SelfSpecError("packed_only frees the dense weights of packed ones: it needs packed_weights=true")
 
 
 @dataclass
@@ -204,7 +210,7 @@ class _Run:
 def autoregressive(model, prompt_ids, cfg: DecodeConfig, eos_ids=()) -> Generation:
     """Plain decoding: one full-depth forward per new token."""
     run = _Run(model, prompt_ids, cfg, eos_ids, "autoregressive", extra_slots=1)
-    with torch.inference_mode(), packed_weights(model, cfg.packed_weights):
+    with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only):
         run.start()
         while not run.done:
             run.plain_step()
@@ -343,7 +349,7 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
     longest = max(cfg.k, draft.options.copy_tokens if draft.options.ngram else 0)
     run = _Run(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
     spec = _Speculator(run, draft)
-    with torch.inference_mode(), packed_weights(model, cfg.packed_weights):
+    with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only):
         spec.start()
         while not run.done:
             spec.round()

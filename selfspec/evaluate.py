@@ -112,12 +112,14 @@ def read_jsonl(path: Path) -> tuple[dict | None, list[dict]]:
 def decode_record(cfg: DecodeConfig) -> dict:
     """The decoding settings as a run's fingerprint records them.
 
-    ``packed_weights`` appears only when on: runs recorded before it existed
-    decoded on the weights as loaded and resume with ``decoding.packed_weights=false``.
+    ``packed_weights`` and ``packed_only`` appear only when on: runs recorded
+    before they existed decoded on the weights as loaded and resume with
+    ``decoding.packed_weights=false`` (with packed weights kept beside the dense ones: as they are).
     """
     rec = asdict(cfg)
-    if not cfg.packed_weights:
-        del rec["packed_weights"]
+    for key in ("packed_weights", "packed_only"):
+        if not rec[key]:
+            del rec[key]
     return rec
 
 

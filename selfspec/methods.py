@@ -44,8 +44,12 @@ class Method:
 
 
 def _packed_bytes(lm: LoadedModel, cfg: DecodeConfig) -> int:
-    """Packs the weights now (not inside a timed request) and returns the copies' size."""
-    return weight_packer(lm.model).extra_bytes if cfg.packed_weights else 0
+    """Packs the weights now (not inside a timed request) and returns the copies' size.
+
+    With ``packed_only`` the dense weights are freed now and only the packed
+    copies of weights that must stay dense count (the LM head's, tied ones).
+    """
+    return weight_packer(lm.model, not cfg.packed_only).extra_bytes if cfg.packed_weights else 0
 
 
 def _autoregressive(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: dict) -> Method:
@@ -64,6 +68,8 @@ def _self_speculative(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None,
                   extra_memory_bytes=path.extra_bytes + _packed_bytes(lm, cfg), info=options.record())
 
 
+OUR_METHODS = ("autoregressive", "self_speculative")
+
 BUILDERS: dict[str, Callable[[LoadedModel, DecodeConfig, SkipPlan | None, dict], Method]] = {
     "autoregressive": _autoregressive,
     "self_speculative": _self_speculative,
@@ -77,4 +83,7 @@ def build_method(name: str, lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan |
 
     if name not in BUILDERS:
         raise SelfSpecError(f"unknown method {name!r}; choose from {', '.join(BUILDERS)}")
+    if cfg.packed_only and name not in OUR_METHODS:
+        raise SelfSpecError(f"method {name} runs the model as loaded, but packed_only frees its dense weights; "
+                            "run it in a separate run without decoding.packed_only")
     return BUILDERS[name](lm, cfg, plan, dict(options or {}))

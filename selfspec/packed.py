@@ -18,6 +18,16 @@ path. Outside the block every linear computes exactly as before (the
 transformers baselines in the same process run the stock model). The copies
 are extra memory (:attr:`WeightPacker.extra_bytes`); only bf16 weights on CPU
 are packed, everything else runs as loaded.
+
+``keep_dense=False`` frees the dense weights once packed, so packing costs no
+memory: the model then computes on the packed weights everywhere (the same
+results), and ``weight`` rebuilds a dense weight exactly from the packed copy
+when something reads it (``to_dense``, ~50 ms for a 1536x8960 weight). Weights
+that must stay dense keep their copy: a weight shared with another module (tied
+embeddings) and the LM head's, whose rows the draft's cut head gathers per
+request (:mod:`selfspec.draft`). As transformers maps the checkpoint file into
+memory, the other tensors are then copied out of it so that the mapping, and
+the freed weights' pages, can go.
 """
 
 from __future__ import annotations
@@ -58,18 +68,39 @@ class LinearWrapper(nn.Module):
 
 
 class PackedLinear(LinearWrapper):
-    """An ``nn.Linear`` that also keeps its weight in oneDNN's layout, used while ``active``."""
+    """An ``nn.Linear`` that also keeps its weight in oneDNN's layout, used while ``active``.
 
-    def __init__(self, inner: nn.Linear) -> None:
+    Without its dense weight (:meth:`drop_dense`) it always computes on the packed one.
+    """
+
+    def __init__(self, inner: nn.Linear, pinned: bool = False) -> None:
         super().__init__(inner)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(inner.weight.detach(), 1)
+        self.dense = True
+        self.pinned = pinned  # the dense weight must stay (shared with another module, or the LM head's)
+        self.requires_grad = inner.weight.requires_grad
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight if self.dense else self.packed.to_dense()
 
     @property
     def extra_bytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
+        """The packed copy's size while the dense weight is kept too, else 0."""
+        return self.packed.numel() * self.packed.element_size() if self.dense else 0
+
+    def drop_dense(self) -> None:
+        if self.dense and not self.pinned:
+            del self.inner.weight
+            self.dense = False
+
+    def restore_dense(self) -> None:
+        if not self.dense:
+            self.inner.weight = nn.Parameter(self.packed.to_dense(), requires_grad=self.requires_grad)
+            self.dense = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.active:
+        if not self.active and self.dense:
             return self.inner(x)
         bias = self.inner.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if bias is None else bias.detach(),
@@ -79,13 +110,29 @@ class PackedLinear(LinearWrapper):
 class WeightPacker:
     """Owns the :class:`PackedLinear` wrappers of one model; switch them on with :meth:`packed`."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.linears: list[PackedLinear] = _wrap(model)
+    def __init__(self, model: nn.Module, keep_dense: bool = True) -> None:
+        self.model = model
+        self.keeps_dense = keep_dense
+        self.linears: list[PackedLinear] = _wrap(model, keep_dense)
         self.depth = 0
+        if not keep_dense:
+            _unmap_checkpoint(model)
 
     @property
     def extra_bytes(self) -> int:
         return sum(lin.extra_bytes for lin in self.linears)
+
+    def keep_dense(self, keep: bool) -> None:
+        """Keep the dense weights beside the packed ones (the model as loaded outside :meth:`packed`) or free them."""
+        if keep != self.keeps_dense:
+            for lin in self.linears:
+                if keep:
+                    lin.restore_dense()
+                else:
+                    lin.drop_dense()
+            if not keep:
+                _unmap_checkpoint(self.model)
+            self.keeps_dense = keep
 
     @contextmanager
     def packed(self) -> Iterator[None]:
@@ -102,37 +149,77 @@ class WeightPacker:
                     lin.active = False
 
 
-def _wrap(module: nn.Module) -> list[PackedLinear]:
+def _wrap(model: nn.Module, keep_dense: bool) -> list[PackedLinear]:
+    """Wraps every packable linear of ``model``; without ``keep_dense`` frees each dense weight that may go."""
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = head.weight if head is not None else None
     out = []
-    for name, child in list(module.named_children()):
-        if isinstance(child, PackedLinear):
-            out.append(child)
-        elif isinstance(child, nn.Linear) and can_pack(child.weight):
-            wrapped = PackedLinear(child)
-            setattr(module, name, wrapped)
-            out.append(wrapped)
-        else:  # also looks inside other wrappers (skippable sublayers, draft linears, the cut head)
-            out += _wrap(child)
+
+    def visit(module: nn.Module) -> None:
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and can_pack(child.weight):
+                child = PackedLinear(child, pinned=counts[id(child.weight)] > 1 or child.weight is head_weight)
+                setattr(module, name, child)
+                if not keep_dense:
+                    child.drop_dense()  # one at a time: packing never holds two copies of the whole model
+            if isinstance(child, PackedLinear):
+                out.append(child)
+            else:  # also looks inside other wrappers (skippable sublayers, draft linears, the cut head)
+                visit(child)
+
+    visit(model)
     return out
+
+
+def _unmap_checkpoint(model: nn.Module) -> None:
+    """Copies the remaining parameters and buffers into process memory, so the checkpoint can be unmapped.
+
+    transformers maps the weights file into memory; the pages of freed dense
+    weights stay resident while any tensor of that file is alive, so freeing
+    them alone saves nothing. The copies hold the same values (a tied weight stays tied).
+    """
+    with torch.no_grad():
+        for p in model.parameters():  # each once: a tied weight is one parameter
+            p.data = p.data.clone()
+        for module in model.modules():
+            for name, t in module._buffers.items():
+                if t is not None:
+                    module._buffers[name] = t.clone()
 
 
 _PACKER_ATTR = "_selfspec_packer"
 
 
-def weight_packer(model: nn.Module) -> WeightPacker:
-    """The :class:`WeightPacker` of ``model``, packing its linears on first use (a few seconds for 1.5B)."""
+def weight_packer(model: nn.Module, keep_dense: bool | None = None) -> WeightPacker:
+    """The :class:`WeightPacker` of ``model``, packing its linears on first use (a few seconds for 1.5B).
+
+    ``keep_dense``: keep (True) or free (False) the dense weights beside the packed
+    ones; None leaves them as they are (kept, when packing now).
+    """
     packer = model.__dict__.get(_PACKER_ATTR)
     if packer is None:
-        packer = WeightPacker(model)
+        packer = WeightPacker(model, True if keep_dense is None else keep_dense)
         model.__dict__[_PACKER_ATTR] = packer
+    elif keep_dense is not None:
+        packer.keep_dense(keep_dense)
     return packer
 
 
 @contextmanager
-def packed_weights(model: nn.Module, on: bool = True) -> Iterator[None]:
-    """Run ``model`` on its packed weights inside the block (packing them on first use); ``on=False``: as loaded."""
+def packed_weights(model: nn.Module, on: bool = True, only: bool | None = None) -> Iterator[None]:
+    """Run ``model`` on its packed weights inside the block (packing them on first use).
+
+    ``only``: free (True) or keep (False) the dense weights; None: as they are.
+    ``on=False``: the weights as loaded (dense weights freed before are rebuilt).
+    """
     if not on:
+        packer = model.__dict__.get(_PACKER_ATTR)
+        if packer is not None:
+            packer.keep_dense(True)
         yield
         return
-    with weight_packer(model).packed():
+    with weight_packer(model, None if only is None else not only).packed():
         yield

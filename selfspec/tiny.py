@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qw
 TINY_ARCHS = ("llama", "qwen2", "gemma3")
 
 
-def tiny_config(arch: str, vocab_size: int = 96, num_layers: int = 4, max_positions: int = 512):
+def tiny_config(arch: str, vocab_size: int = 96, num_layers: int = 4, max_positions: int = 512,
+                tie_embeddings: bool = False):
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -26,7 +27,7 @@ def tiny_config(arch: str, vocab_size: int = 96, num_layers: int = 4, max_positi
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
     )
     if arch == "llama":
         return LlamaConfig(**common)

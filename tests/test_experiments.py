@@ -171,6 +171,14 @@ def test_runs_recorded_before_packed_weights_resume_with_them_off():
     assert "packed_weights" not in decode_record(DecodeConfig(packed_weights=False))
     rec = decode_record(DecodeConfig())
     assert rec["packed_weights"] is True and rec["k"] == DecodeConfig().k
+    assert "packed_only" not in rec and decode_record(DecodeConfig(packed_only=True))["packed_only"] is True
+
+
+def test_packed_only_refuses_the_transformers_methods(tmp_path, tiny_plan):
+    p = _evaluate("model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", "n_samples=1",
+                  f"hydra.run.dir={tmp_path / 'run'}", "decoding.packed_only=true",
+                  "methods=[autoregressive,hf_generate]", cwd=ROOT)
+    assert p.returncode == 2 and "packed_only" in p.stderr and "hf_generate" in p.stderr
 
 
 # -- the table builder on fixed rows -----------------------------------------------------

@@ -7,6 +7,7 @@ import torch
 
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.draft import DraftOptions, DraftPath, LowPrecisionLinear
+from selfspec.errors import SelfSpecError
 from selfspec.methods import build_method
 from selfspec.models import LoadedModel
 from selfspec.packed import PackedLinear, weight_packer
@@ -101,3 +102,77 @@ def test_methods_report_the_packed_copies_as_extra_memory():
     assert on.extra_memory_bytes == weight_packer(model).extra_bytes > 0
     spec = build_method("self_speculative", lm, DecodeConfig(max_new_tokens=4), PLAN, {"weights": "int8"})
     assert spec.extra_memory_bytes > on.extra_memory_bytes
+
+
+def _dense_weights(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_packed_only_frees_the_dense_weights_and_computes_the_same():
+    model = _bf16()
+    dense = _dense_weights(model)
+    x = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        before = model(input_ids=x).logits
+        packer = weight_packer(model, keep_dense=False)
+        outside = model(input_ids=x).logits  # no dense weight left to compute on: packed everywhere
+        with packer.packed():
+            inside = model(input_ids=x).logits
+    assert torch.equal(before, outside) and torch.equal(before, inside)
+    head = model.get_output_embeddings()
+    freed = [lin for lin in packer.linears if lin is not head]
+    assert freed and all(not lin.dense and "weight" not in lin.inner._parameters for lin in freed)
+    assert head.dense and head.pinned  # the draft's cut head gathers its rows
+    assert packer.extra_bytes == head.weight.numel() * 2
+    assert sum(p.numel() for p in model.parameters()) < sum(t.numel() for t in dense.values())
+    packer.keep_dense(True)  # rebuilt exactly from the packed copies
+    restored = {n.replace(".inner", ""): p for n, p in model.named_parameters()}
+    assert restored.keys() == dense.keys()
+    assert all(torch.equal(restored[n], dense[n]) for n in dense)
+    assert packer.extra_bytes == sum(lin.weight.numel() * 2 for lin in packer.linears)
+
+
+def test_packed_only_keeps_a_tied_weight_dense():
+    model = tiny_model("qwen2", dtype=torch.bfloat16, vocab_size=96, tie_embeddings=True)
+    packer = weight_packer(model, keep_dense=False)
+    head = model.get_output_embeddings()
+    assert head.pinned and head.dense and head.weight is model.get_input_embeddings().weight
+    assert all(not lin.dense for lin in packer.linears if lin is not head)
+
+
+def test_draft_built_on_freed_weights_equals_the_draft_built_on_dense_ones():
+    x = torch.tensor([PROMPT])
+    logits = []
+    for free_first in (False, True):
+        model = _bf16()
+        if free_first:
+            weight_packer(model, keep_dense=False)
+        path = DraftPath(model, PLAN, DraftOptions(weights="int4", head_tokens=40), stop_ids=(2,))
+        path.prepare(x)
+        with torch.inference_mode(), path.drafting():
+            logits.append(model(input_ids=x).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_packed_only_decodes_the_same_tokens_and_reports_no_copies():
+    model = _bf16()
+    lm = LoadedModel(name="tiny", model=model, tokenizer=None, eos_ids=frozenset({2}), source="tiny", info={})
+    cfg = DecodeConfig(max_new_tokens=40, k=3, fallback=False)
+    plain = autoregressive(model, PROMPT + PROMPT, replace(cfg, packed_weights=False))
+    only = replace(cfg, packed_only=True)
+    ar = build_method("autoregressive", lm, only)
+    spec = build_method("self_speculative", lm, only, PLAN, {"weights": "int8"})
+    head = model.get_output_embeddings()
+    assert ar.extra_memory_bytes == head.weight.numel() * 2  # only the LM head keeps a dense copy
+    assert spec.extra_memory_bytes > ar.extra_memory_bytes
+    assert ar.generate(PROMPT + PROMPT).tokens == plain.tokens
+    assert spec.generate(PROMPT + PROMPT).tokens == plain.tokens
+    with pytest.raises(SelfSpecError, match="packed_only"):
+        build_method("hf_generate", lm, only)
+    assert autoregressive(model, PROMPT + PROMPT, replace(cfg, packed_weights=False)).tokens == plain.tokens
+    assert weight_packer(model).keeps_dense  # decoding unpacked rebuilt the dense weights
+
+
+def test_packed_only_needs_packed_weights():
+    with pytest.raises(SelfSpecError, match="packed_weights"):
+        DecodeConfig(packed_weights=False, packed_only=True)
