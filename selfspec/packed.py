@@ -164,7 +164,7 @@ def _wrap(model: nn.Module, keep_dense: bool) -> list[PackedLinear]:
                 child = PackedLinear(child, pinned=counts[id(child.weight)] > 1 or child.weight is head_weight)
                 setattr(module, name, child)
                 if not keep_dense:
-                    child.drop_dense()  # one at a time: packing never holds two copies of the whole model
+                    child.drop_dense()
             if isinstance(child, PackedLinear):
                 out.append(child)
             else:  # also looks inside other wrappers (skippable sublayers, draft linears, the cut head)

@@ -206,11 +206,15 @@ def _study_trials(studies: Path) -> dict[str, list]:
     return out
 
 
+LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+
+
 def write_figures(by_exp: dict[str, list[dict]], studies: Path | None, out_dir: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -237,16 +241,24 @@ def write_figures(by_exp: dict[str, list[dict]], studies: Path | None, out_dir: 
         fig.tight_layout()
         written.append(_save(fig, out_dir / "speedup_acceptance_vs_skipped.png"))
 
-    # acceptance by draft position
-    with_pos = [r for r in spec if len(r["acceptance_by_position"]) > 1]
+    # acceptance by draft position: a panel per model, a colour per task set, a line style per run
+    with_pos = [(exp, r) for exp, rows in by_exp.items() for r in rows
+                if r["attn_skipped"] is not None and len(r["acceptance_by_position"]) > 1]
     if with_pos:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for r in with_pos:
-            acc = r["acceptance_by_position"]
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", ms=3,
-                    label=f"{r['model']} {r['dataset']} k={r['k']}")
-        ax.set(xlabel="draft position", ylabel="acceptance (given the previous ones)", ylim=(0, 1.02))
-        ax.legend(fontsize=5, ncol=2)
+        models = sorted({r["model"] for _, r in with_pos})
+        datasets = sorted({r["dataset"] for _, r in with_pos})
+        fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            exps = sorted({exp for exp, r in with_pos if r["model"] == model})
+            for exp, r in with_pos:
+                if r["model"] == model:
+                    acc = r["acceptance_by_position"]
+                    ax.plot(range(1, len(acc) + 1), acc, marker="o", ms=3,
+                            color=f"C{datasets.index(r['dataset'])}", ls=LINE_STYLES[exps.index(exp) % len(LINE_STYLES)],
+                            label=f"{exp}: {r['dataset']} k={r['k']}")
+            ax.set(title=model, xlabel="draft position", ylabel="acceptance (given the previous ones)", ylim=(0, 1.02))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.legend(fontsize=5, ncol=2, loc="lower left")
         fig.tight_layout()
         written.append(_save(fig, out_dir / "acceptance_by_position.png"))
 
