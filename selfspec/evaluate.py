@@ -112,9 +112,9 @@ def read_jsonl(path: Path) -> tuple[dict | None, list[dict]]:
 def decode_record(cfg: DecodeConfig) -> dict:
     """The decoding settings as a run's fingerprint records them.
 
-    ``packed_weights`` and ``packed_only`` appear only when on: runs recorded
-    before they existed decoded on the weights as loaded and resume with
-    ``decoding.packed_weights=false`` (with packed weights kept beside the dense ones: as they are).
+    ``packed_weights`` and ``packed_only`` appear only when on, so runs recorded
+    before they existed still resume: those made on the weights as loaded with
+    ``decoding.packed_weights=false``, those with packed copies as they are.
     """
     rec = asdict(cfg)
     for key in ("packed_weights", "packed_only"):

@@ -19,15 +19,15 @@ transformers baselines in the same process run the stock model). The copies
 are extra memory (:attr:`WeightPacker.extra_bytes`); only bf16 weights on CPU
 are packed, everything else runs as loaded.
 
-``keep_dense=False`` frees the dense weights once packed, so packing costs no
-memory: the model then computes on the packed weights everywhere (the same
-results), and ``weight`` rebuilds a dense weight exactly from the packed copy
-when something reads it (``to_dense``, ~50 ms for a 1536x8960 weight). Weights
-that must stay dense keep their copy: a weight shared with another module (tied
-embeddings) and the LM head's, whose rows the draft's cut head gathers per
-request (:mod:`selfspec.draft`). As transformers maps the checkpoint file into
-memory, the other tensors are then copied out of it so that the mapping, and
-the freed weights' pages, can go.
+``keep_dense=False`` frees the dense weights once packed; only the packed
+copies of weights that must stay dense are then extra: a weight shared with
+another module (tied embeddings) and the LM head's, whose rows the draft's cut
+head gathers per request (:mod:`selfspec.draft`). The model then computes on
+the packed weights everywhere (the same results), and ``weight`` rebuilds a
+dense weight exactly from the packed copy when something reads it
+(``to_dense``, ~50 ms for a 1536x8960 weight). As transformers maps the
+checkpoint file into memory, the other tensors are then copied out of it so
+that the mapping, and the freed weights' pages, can go.
 """
 
 from __future__ import annotations

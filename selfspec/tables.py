@@ -253,9 +253,8 @@ def write_figures(by_exp: dict[str, list[dict]], studies: Path | None, out_dir: 
             for exp, r in with_pos:
                 if r["model"] == model:
                     acc = r["acceptance_by_position"]
-                    ax.plot(range(1, len(acc) + 1), acc, marker="o", ms=3,
-                            color=f"C{datasets.index(r['dataset'])}", ls=LINE_STYLES[exps.index(exp) % len(LINE_STYLES)],
-                            label=f"{exp}: {r['dataset']} k={r['k']}")
+                    ax.plot(range(1, len(acc) + 1), acc, marker="o", ms=3, color=f"C{datasets.index(r['dataset'])}",
+                            ls=LINE_STYLES[exps.index(exp) % len(LINE_STYLES)], label=f"{exp}: {r['dataset']} k={r['k']}")
             ax.set(title=model, xlabel="draft position", ylabel="acceptance (given the previous ones)", ylim=(0, 1.02))
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.legend(fontsize=5, ncol=2, loc="lower left")
