@@ -55,7 +55,8 @@ def measure(model: str, mode: str, max_new_tokens: int) -> dict:
     for m in methods:
         m.generate(prompt, 8)  # warm-up
         gen = m.generate(prompt)
-        row[m.name] = {"extra_mb": round(m.extra_memory_bytes / 2**20), "tok_s": round(gen.stats.new_tokens / gen.stats.total_time, 2),
+        row[m.name] = {"extra_mb": round(m.extra_memory_bytes / 2**20),
+                       "tok_s": round(gen.stats.summary()["tokens_per_s"], 2),
                        "tokens_sha": hashlib.sha1(json.dumps(gen.tokens).encode()).hexdigest()[:12]}
     row.update(decoded_mb=_rss(), peak_rss_mb=_status_mb("VmHWM"), max_new_tokens=max_new_tokens,
                git_commit=git_commit())
