@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from selfspec.data import load_task_set
-from selfspec.models import encode_prompt
+from selfspec.assets.data import load_task_set
+from selfspec.assets.models import encode_prompt
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "dataset"
 

@@ -18,9 +18,9 @@ import statistics
 import torch
 from _calibration import calibration_prompts
 
-from selfspec.decoding import DecodeConfig
-from selfspec.methods import build_method
-from selfspec.models import load_model
+from selfspec.assets.models import load_model
+from selfspec.engine.decoding import DecodeConfig
+from selfspec.eval.methods import build_method
 from selfspec.provenance import git_commit
 
 METHODS = ("autoregressive", "hf_generate")

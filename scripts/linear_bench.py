@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from selfspec.packed import PackedLinear
+from selfspec.draft.packed import PackedLinear
 from selfspec.provenance import git_commit
 
 

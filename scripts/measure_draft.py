@@ -20,8 +20,8 @@ import time
 from _calibration import calibration_prompts
 
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
-from selfspec.draft import DraftOptions, DraftPath
-from selfspec.models import load_model
+from selfspec.assets.models import load_model
+from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.provenance import git_commit
 
 
@@ -51,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     lm = load_model(args.model)
     prompts = calibration_prompts(lm.tokenizer, args.datasets, args.prompts)
-    n_layers = lm.model.config.num_hidden_layers
+    n_layers = lm.num_layers
     for setting in args.setting:
         plan, opts, kv = parse(setting, args.model, n_layers)
         t0 = time.perf_counter()

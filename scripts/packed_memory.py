@@ -41,14 +41,14 @@ def measure(model: str, mode: str, max_new_tokens: int) -> dict:
     from _calibration import calibration_prompts
 
     from selfspec import DecodeConfig, SkipPlan
-    from selfspec.methods import build_method
-    from selfspec.models import load_model
+    from selfspec.assets.models import load_model
+    from selfspec.eval.methods import build_method
     from selfspec.provenance import git_commit
 
     lm = load_model(model)
     row = {"model": model, "mode": mode, "loaded_mb": _rss()}
     cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=4, fallback=False, **MODES[mode])
-    plan = SkipPlan(lm.model.config.num_hidden_layers)
+    plan = SkipPlan(lm.num_layers)
     methods = [build_method("autoregressive", lm, cfg), build_method("self_speculative", lm, cfg, plan, DRAFT)]
     row["built_mb"] = _rss()
     prompt = calibration_prompts(lm.tokenizer, ["humaneval"], 1)[0]

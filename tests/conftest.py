@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from selfspec.tiny import TINY_ARCHS, tiny_model
+from selfspec.assets.tiny import TINY_ARCHS, tiny_model
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,9 +3,9 @@
 import torch
 
 from selfspec import DecodeConfig, SkipPlan, layer_skipper
-from selfspec.cache import PositionalKVCache
-from selfspec.decoding import _Run, _Speculator
-from selfspec.draft import DraftOptions, DraftPath
+from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.engine.cache import PositionalKVCache
+from selfspec.engine.decoding import _Run, _Speculator
 from tests.conftest import PROMPT
 
 

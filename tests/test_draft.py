@@ -3,9 +3,17 @@
 import pytest
 import torch
 
-from selfspec import DecodeConfig, SelfSpecError, SkipPlan, autoregressive, self_speculative
-from selfspec.draft import DraftOptions, DraftPath, LowPrecisionLinear, NGramIndex
-from selfspec.tiny import tiny_model
+from selfspec import (
+    DecodeConfig,
+    SelfSpecError,
+    SkipPlan,
+    autoregressive,
+    self_speculative,
+)
+from selfspec.assets.tiny import tiny_model
+from selfspec.draft.copy import NGramIndex
+from selfspec.draft.lowbit import LowPrecisionLinear
+from selfspec.draft.path import DraftOptions, DraftPath
 from tests.conftest import PROMPT
 
 PLAN = SkipPlan(4, attn=(1,), mlp=(2,))

@@ -7,11 +7,18 @@ import zipfile
 
 import pytest
 
-from selfspec import DecodeConfig, PlanError, SelfSpecError, SkipPlan, autoregressive, self_speculative
-from selfspec import assets
-from selfspec.assets import PackagedFile, fetch_packaged_file
+from selfspec import (
+    DecodeConfig,
+    PlanError,
+    SelfSpecError,
+    SkipPlan,
+    autoregressive,
+    self_speculative,
+)
+from selfspec.assets import fetch as assets
+from selfspec.assets.fetch import PackagedFile, fetch_packaged_file
+from selfspec.assets.models import encode_prompt, load_model
 from selfspec.errors import AssetError
-from selfspec.models import encode_prompt, load_model
 from tests.conftest import PROMPT
 
 

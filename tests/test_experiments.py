@@ -11,10 +11,20 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from selfspec import DecodeConfig, SelfSpecError, SkipPlan
-from selfspec.data import _keep_summarization, _sharegpt_first_turns, load_task_set
-from selfspec.evaluate import decode_record
-from selfspec.tables import load_runs, main as tables_main, method_comparison, write_method_comparison, write_tables
+from selfspec import DecodeConfig, DecodeStats, SelfSpecError, SkipPlan
+from selfspec.assets.data import (
+    _keep_summarization,
+    _sharegpt_first_turns,
+    load_task_set,
+)
+from selfspec.cli.tables import main as tables_main
+from selfspec.eval.records import decode_record
+from selfspec.eval.tables import (
+    load_runs,
+    method_comparison,
+    write_method_comparison,
+    write_tables,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -127,7 +137,7 @@ def test_sweep_writes_jsonl_wandb_and_a_table(tmp_path, tiny_plan):
         two_turns = [r for r in rows if r["turns"] == 2]
         assert len(two_turns) == 2 and all(len(r["output_text"]) == 2 for r in two_turns)
         spec = [r for r in rows if r["method"] == "self_speculative"]
-        assert all(sum(r["accepted_per_position"]) == r["accepted"] for r in spec)
+        assert all(sum(r["counters"]["accepted_per_position"]) == r["counters"]["accepted"] for r in spec)
         assert list(f.parent.glob("wandb/offline-run-*"))  # an offline W&B run in the run folder
         assert json.loads((f.parent / "summary.json").read_text())["autoregressive"]["speedup"] == 1.0
     tables, figures = tmp_path / "tables", tmp_path / "figures"
@@ -191,7 +201,19 @@ def _row(sample, method, tokens, time_s, drafted=0, accepted=0, rounds=0, sha="s
             "accepted_per_position": pos[1] if pos else [], "output_sha256": sha}
 
 
-def test_table_builder_numbers(tmp_path):
+def _counters_row(row):
+    """The same row in today's format: raw counters (rows before carried the derived fields)."""
+    stats = DecodeStats(method=row["method"], new_tokens=row["new_tokens"], total_time=row["wall_time_s"],
+                        ttft=row["ttft_s"], rounds=row["rounds"], drafted=row["drafted"], accepted=row["accepted"],
+                        drafted_per_position=row["drafted_per_position"],
+                        accepted_per_position=row["accepted_per_position"],
+                        token_latencies=row["token_latencies_s"])
+    return {"type": "sample", "sample_id": row["sample_id"], "method": row["method"], "turns": 1,
+            "counters": stats.counters(), "output_sha256": row["output_sha256"]}
+
+
+@pytest.mark.parametrize("row_format", ["counters", "legacy"])
+def test_table_builder_numbers(tmp_path, row_format):
     head = {"type": "header", "model": "m", "dataset": "d", "baseline": "autoregressive",
             "fingerprint": {"methods": ["autoregressive", "self_speculative"],
                             "decode": {"autoregressive": {"k": 3}, "self_speculative": {"k": 3}},
@@ -200,6 +222,8 @@ def test_table_builder_numbers(tmp_path):
     rows = [_row("a", "autoregressive", 10, 2.0), _row("b", "autoregressive", 30, 4.0),
             _row("a", "self_speculative", 10, 1.0, 6, 3, 3, pos=([3, 2, 1], [2, 1, 0])),
             _row("b", "self_speculative", 30, 2.0, 12, 9, 4, sha="other", pos=([4, 4, 4], [4, 3, 2]))]
+    if row_format == "counters":
+        rows = [_counters_row(r) for r in rows]
     f = tmp_path / "runs" / "exp" / "m" / "d" / "samples.jsonl"
     f.parent.mkdir(parents=True)
     f.write_text("".join(json.dumps(r) + "\n" for r in [head] + rows))

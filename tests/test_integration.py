@@ -7,7 +7,7 @@ registry and converts it (about 30 s); later runs load the cached folder.
 import pytest
 
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
-from selfspec.models import encode_prompt, load_model
+from selfspec.assets.models import encode_prompt, load_model
 
 pytestmark = pytest.mark.integration
 

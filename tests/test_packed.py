@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
-from selfspec.draft import DraftOptions, DraftPath, LowPrecisionLinear
+from selfspec.assets.models import LoadedModel
+from selfspec.assets.tiny import tiny_model
+from selfspec.draft.lowbit import LowPrecisionLinear
+from selfspec.draft.packed import PackedLinear, weight_packer
+from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.errors import SelfSpecError
-from selfspec.methods import build_method
-from selfspec.models import LoadedModel
-from selfspec.packed import PackedLinear, weight_packer
-from selfspec.tiny import tiny_model
+from selfspec.eval.methods import build_method
 from tests.conftest import PROMPT
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")

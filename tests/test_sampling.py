@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from selfspec import DecodeConfig, SamplingParams, SkipPlan, self_speculative
-from selfspec.draft import DraftOptions, DraftPath
-from selfspec.sampling import probs_from_logits, verify_greedy, verify_sampling
-from selfspec.tiny import tiny_model
+from selfspec.assets.tiny import tiny_model
+from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.engine.sampling import probs_from_logits, verify_greedy, verify_sampling
 
 ALPHA = 1e-6
 

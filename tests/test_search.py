@@ -1,6 +1,5 @@
 """The plan search: deterministic objective, budget, warm starts, resume, CLI end to end."""
 
-import json
 import os
 import signal
 import sqlite3
@@ -12,16 +11,17 @@ import optuna
 import pytest
 
 from selfspec import SelfSpecError, SkipPlan
-from selfspec.calibrate import AgreementScorer, CostModel, tokens_per_round
-from selfspec.optimize import (
+from selfspec.assets.tiny import TINY_VOCAB, tiny_model
+from selfspec.search.costs import CostModel
+from selfspec.search.scoring import AgreementScorer, tokens_per_round
+from selfspec.search.space import SearchSpace
+from selfspec.search.study import (
     PredictedObjective,
-    SearchSpace,
     enqueue_warm_starts,
     finished,
     open_study,
     run_search,
 )
-from selfspec.tiny import TINY_VOCAB, tiny_model
 
 PROMPTS = [[5, 9, 12, 40, 41, 7], [8, 8, 30, 2 + 4, 77, 100, 3]]
 COSTS = CostModel(t_full=1.0, t_attn=0.01, t_mlp=0.02, t_verify={k: 1.0 + 0.01 * k for k in range(2, 6)}, num_layers=4)
@@ -54,7 +54,7 @@ def test_objective_is_deterministic_for_a_plan(tiny, scorer):
 
 
 def test_predicted_speedup_formula():
-    from selfspec.calibrate import PlanScore
+    from selfspec.search.scoring import PlanScore
 
     plan = SkipPlan(4, attn=(1, 2), mlp=(1,))
     score = PlanScore(agreement=0.5, tokens_per_round={1: 1.5, 2: 1.8})

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from selfspec import PlanError, SkipPlan, layer_skipper
-from selfspec.skip import SkippableSublayer
-from selfspec.tiny import tiny_model
+from selfspec.assets.tiny import tiny_model
+from selfspec.draft.skip import SkippableSublayer
 from tests.conftest import PROMPT
 
 

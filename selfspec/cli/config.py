@@ -1,0 +1,69 @@
+"""Where the Hydra configs are, and configs turned into the library's typed settings.
+
+``conf/`` is the one source of every config: in a source checkout it is the
+repository's ``conf/`` folder; an installed wheel carries the same files as
+the package ``selfspec.conf`` (see ``pyproject.toml``). Everything a config
+sets reaches the library as a frozen dataclass built by
+:func:`selfspec.typed.typed`, which refuses unknown keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from selfspec.draft.plan import SkipPlan
+from selfspec.engine.decoding import DecodeConfig
+from selfspec.engine.sampling import SamplingParams
+from selfspec.errors import SelfSpecError
+from selfspec.search.pipeline import SearchSettings
+from selfspec.typed import typed
+
+
+def conf_dir() -> Path:
+    """The folder holding ``search.yaml`` and ``evaluate.yaml``: the checkout's ``conf/``, else the packaged copy."""
+    package = Path(__file__).resolve().parent.parent
+    for cand in (package.parent / "conf", package / "conf"):
+        if (cand / "search.yaml").is_file():
+            return cand
+    raise SelfSpecError(f"cannot find the selfspec configs (looked for conf/ beside {package}); reinstall selfspec")
+
+
+def group_option(group: str, name: str) -> dict:
+    """One option of a config group as a plain dict (``conf/<group>/<name>.yaml``), for scripts without Hydra."""
+    path = conf_dir() / group / f"{name}.yaml"
+    if not path.is_file():
+        options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+        raise SelfSpecError(f"no {group} config {name!r}; choose from {', '.join(options)}")
+    return yaml.safe_load(path.read_text())
+
+
+def default_model() -> str:
+    """The packaged model every entry point uses unless told otherwise (``conf/base.yaml``)."""
+    for entry in yaml.safe_load((conf_dir() / "base.yaml").read_text())["defaults"]:
+        if isinstance(entry, dict) and "model" in entry:
+            return entry["model"]
+    raise SelfSpecError("conf/base.yaml names no default model")
+
+
+def plain(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def search_settings(cfg: DictConfig) -> SearchSettings:
+    """``cfg.search`` (plus the top-level ``seed`` and ``plans_dir``) as :class:`SearchSettings`."""
+    return typed(SearchSettings, {**plain(cfg.search), "seed": cfg.seed, "plans_dir": cfg.plans_dir}, "search")
+
+
+def decode_config(cfg: DictConfig, dataset_max_new: int, plan: SkipPlan | None) -> DecodeConfig:
+    """``cfg.decoding`` as :class:`DecodeConfig`: ``max_new_tokens: null`` takes the dataset's, ``k: null`` the plan's."""
+    d = plain(cfg.decoding)
+    sampling = typed(SamplingParams, {key: d.pop(key) for key in ("temperature", "top_k", "top_p") if key in d},
+                     "decoding")
+    if d.get("max_new_tokens") is None:
+        d["max_new_tokens"] = dataset_max_new
+    if d.get("k") is None:
+        d["k"] = int((plan.provenance or {}).get("k", DecodeConfig.k)) if plan is not None else DecodeConfig.k
+    return typed(DecodeConfig, {**d, "sampling": sampling}, "decoding")

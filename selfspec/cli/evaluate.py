@@ -1,0 +1,105 @@
+"""Evaluation runner (Hydra entry point): compose, build, call :func:`selfspec.evaluate.evaluate`, log.
+
+    python experiments/evaluate.py model=qwen2.5-coder-1.5b dataset=gsm8k
+    python experiments/evaluate.py -m dataset=humaneval,gsm8k,mtbench,summarization decoding.k=2,4,6
+    python experiments/evaluate.py +experiment=main
+
+Results: ``<run folder>/samples.jsonl`` (header + one row per sample and method),
+``<run folder>/summary.json`` and, with ``logger=wandb``, an offline W&B run in
+the same folder. A failed job prints its error, closes its W&B run as failed
+and lets the rest of a sweep go on; a single run exits with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from selfspec import SelfSpecError, SkipPlan
+from selfspec.assets.data import load_task_set
+from selfspec.assets.models import load_model
+from selfspec.cli.config import conf_dir, decode_config, plain
+from selfspec.cli.wandb_logger import WandbLogger
+from selfspec.eval.methods import build_method
+from selfspec.eval.records import summarize
+from selfspec.eval.runner import EvalSettings, evaluate
+from selfspec.provenance import provenance
+
+TABLE_COLUMNS = ["sample_id", "method", "turns", "prompt_tokens", "new_tokens", "wall_time_s", "tokens_per_s",
+                 "ttft_s", "tpot_s", "rounds", "drafted", "accepted", "output_sha256"]
+
+
+def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
+    tasks = load_task_set(plain(cfg.dataset), cfg.model.cache_dir)
+    methods = list(cfg.methods)
+    plan = None
+    lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)
+    if "self_speculative" in methods and cfg.plan == "empty":  # draft = every sublayer, cheaper weights/head
+        plan = SkipPlan(lm.num_layers, model=lm.name)
+    elif "self_speculative" in methods:
+        plan_path = Path(cfg.plan)
+        if not plan_path.is_file():
+            raise SelfSpecError(f"no skip plan at {plan_path}: run `python -m selfspec.search model={cfg.model.name}` "
+                                "first, or set plan=<file> (or plan=empty)")
+        plan = SkipPlan.load(plan_path)
+        logger.artifact(plan_path, f"plan-{plan_path.stem}", "skip-plan")
+    dcfg = decode_config(cfg, tasks.max_new_tokens, plan)
+    options = plain(cfg.method_options)
+    built = [build_method(m, lm, dcfg, plan, options.get(m)) for m in methods]
+    resolved = plain(cfg)
+    header = {"provenance": provenance({"config": resolved, "model_source": lm.source}),
+              "model": lm.name, "dataset": tasks.name, "dtype": lm.info.get("dtype"), "seed": cfg.seed}
+    settings = EvalSettings(out_path=out_dir / "samples.jsonl", baseline=cfg.baseline, n_samples=cfg.n_samples,
+                            warmup_tokens=cfg.warmup_tokens)
+    rows = evaluate(lm, tasks, built, settings, header,
+                    on_sample=lambda new: logger.log({f"{r['method']}/tokens_per_s": r["tokens_per_s"] for r in new}))
+    summary = summarize(rows, cfg.baseline)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    logger.table("samples", rows, TABLE_COLUMNS)
+    logger.summary({f"{m}/{k}": v for m, s in summary.items() for k, v in s.items() if not isinstance(v, list)})
+    return summary
+
+
+def print_summary(summary: dict, baseline: str) -> None:
+    print(f"{'method':<18}{'samples':>8}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc.len':>8}{'match':>7}")
+    for m, s in summary.items():
+        print(f"{m:<18}{s['samples']:>8}{s['tokens_per_s']:>8.2f}{s['speedup']:>8.2f}x"
+              f"{s['acceptance_rate']:>8.2f}{s['mean_accepted_length']:>8.2f}{s['greedy_match']:>7.2f}")
+    print(f"(speedup over {baseline}; match = share of samples whose output equals {baseline}'s)")
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="evaluate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    logger = WandbLogger(plain(cfg.logger), "evaluate",
+                         plain(cfg),
+                         name=f"{cfg.name}/{cfg.model.name}/{cfg.dataset.name}/{out_dir.name}")
+    try:
+        summary = run(cfg, out_dir, logger)
+        (out_dir / "FAILED").unlink(missing_ok=True)  # a rerun that succeeds clears an earlier failure
+        print(f"{cfg.model.name} / {cfg.dataset.name} -> {out_dir}")
+        print_summary(summary, cfg.baseline)
+        logger.finish()
+    except KeyboardInterrupt:
+        logger.finish(failed=True)
+        print("\ninterrupted: finished samples are saved; rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # a failed job closes its run; a sweep goes on with the next job
+        logger.finish(failed=True)
+        msg = str(e) if isinstance(e, SelfSpecError) else "".join(traceback.format_exception(e))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "FAILED").write_text(msg + "\n")
+        print(f"error in {out_dir}: {msg}", file=sys.stderr)
+        if not multirun:
+            sys.exit(2)
+
+if __name__ == "__main__":
+    main()

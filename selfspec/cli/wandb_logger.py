@@ -1,0 +1,54 @@
+"""W&B logging for the entry points (search, evaluation); the library never imports wandb."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class WandbLogger:
+    """W&B logging for the entry points (search, evaluation).
+
+    Offline by default: runs are written under the configured folder and can be
+    uploaded later with ``wandb sync``. ``logger=none`` (or ``mode: disabled``)
+    makes every call a no-op. ``finish(failed=True)`` closes a run with a
+    non-zero exit code, so a failed job in a sweep leaves a closed run behind.
+    """
+
+    def __init__(self, logger_cfg: dict, job: str, config: dict, name: str | None = None,
+                 dir: str | Path | None = None) -> None:
+        self.run = None
+        if logger_cfg.get("name") != "wandb" or logger_cfg.get("mode") == "disabled":
+            return
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        root = Path(dir or logger_cfg["dir"])
+        root.mkdir(parents=True, exist_ok=True)
+        self.wandb = wandb
+        self.run = wandb.init(project=logger_cfg["project"], entity=logger_cfg.get("entity"),
+                              mode=logger_cfg["mode"], dir=str(root), job_type=job, name=name,
+                              tags=list(logger_cfg.get("tags") or ()), config=config, reinit="finish_previous")
+
+    def log(self, metrics: dict) -> None:
+        if self.run is not None:
+            self.run.log(metrics)
+
+    def summary(self, metrics: dict) -> None:
+        if self.run is not None:
+            self.run.summary.update(metrics)
+
+    def table(self, key: str, rows: list[dict], columns: list[str]) -> None:
+        if self.run is not None and rows:
+            self.run.log({key: self.wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])})
+
+    def artifact(self, path: str | Path, name: str, kind: str) -> None:
+        if self.run is not None and path and Path(path).is_file():
+            art = self.wandb.Artifact(name, type=kind)
+            art.add_file(str(path))
+            self.run.log_artifact(art)
+
+    def finish(self, failed: bool = False) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=1 if failed else 0)
+            self.run = None

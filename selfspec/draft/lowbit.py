@@ -1,0 +1,87 @@
+"""Weight-only quantized copies of linear layers, used while drafting.
+
+:class:`LowPrecisionLinear` wraps an ``nn.Linear`` (or its :class:`~selfspec.draft.packed.PackedLinear`)
+of one model instance in place and keeps an int8 (one scale per output row,
+``torch.ops.aten._weight_int8pack_mm``) or int4 (asymmetric groups of
+``group_size`` along the input dimension, ``_weight_int4pack_mm_for_cpu``) copy
+of its weight. The copy is used only while ``active``; otherwise the layer
+computes exactly what the wrapped one computes. Decode steps are bound by
+reading weights, so a half or a quarter of the bytes makes a draft step about
+that much cheaper.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from selfspec.draft.packed import LinearWrapper, PackedLinear
+from selfspec.draft.wrap import wrap_descendants
+from selfspec.errors import SelfSpecError
+
+
+def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = (w.float().abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.to(w.dtype)
+
+
+def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    if k % group:
+        raise SelfSpecError(f"int4 needs in_features ({k}) divisible by group_size ({group})")
+    wg = w.float().reshape(n, k // group, group)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+    q = torch.round((wg - lo) / scale).clamp(0, 15).reshape(n, k).to(torch.int32)
+    zero = lo + 8.0 * scale  # the kernel computes (q - 8) * scale + zero
+    sz = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).to(w.dtype).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    return packed, sz
+
+
+class LowPrecisionLinear(LinearWrapper):
+    """An ``nn.Linear`` (or its PackedLinear) with a weight-only quantized copy used while ``active``."""
+
+    def __init__(self, inner: nn.Module, weights: str, group_size: int) -> None:
+        super().__init__(inner)
+        self.kind, self.group = "", 0
+        self.configure(weights, group_size)
+
+    def configure(self, weights: str, group_size: int) -> None:
+        """(Re)build the quantized copy unless it already has this format."""
+        if (self.kind, self.group) == (weights, group_size) or (self.kind == weights == "int8"):
+            return
+        self.kind, self.group = weights, group_size
+        w = self.inner.weight.detach()
+        if weights == "int8":
+            self.qweight, self.qscale = _quantize_int8(w)
+        else:
+            self.qweight, self.qscale = _quantize_int4(w, group_size)
+
+    @property
+    def extra_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.qscale))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return self.inner(x)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.kind == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.qscale)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.qscale)
+        if self.inner.bias is not None:
+            y = y + self.inner.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def wrap_linears(module: nn.Module, weights: str, group_size: int) -> list[LowPrecisionLinear]:
+    """Give every linear below ``module`` a low-precision copy in this format (reusing existing wrappers)."""
+    return wrap_descendants(
+        module, LowPrecisionLinear,
+        match=lambda m: isinstance(m, (nn.Linear, PackedLinear)),  # a packed linear stays inside the draft's copy
+        make=lambda m: LowPrecisionLinear(m, weights, group_size),
+        on_existing=lambda m: m.configure(weights, group_size),
+    )

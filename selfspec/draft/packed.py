@@ -1,0 +1,220 @@
+"""Linear weights prepacked for oneDNN, used by our decoding loop (a lean-loop option).
+
+A one-token decode step is a chain of matrix-vector products, and on CPU the
+stock ``nn.Linear`` hands oneDNN a plain row-major weight on every call.
+Reordering each bf16 weight once into oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``) and calling
+``torch.ops.mkldnn._linear_pointwise`` on it reads the same bytes faster: on
+this 2-core CPU one 1536x8960 product went from ~19 to ~26 GB/s of weights
+(results/PERF.md). In bf16 the result is bit-identical to ``nn.Linear``'s, so
+decoding with packed weights emits the same tokens as without.
+
+:func:`weight_packer` wraps every ``nn.Linear`` of *one* model instance in
+place with a :class:`PackedLinear` (no transformers class is patched) and
+keeps the packed copies; they are used only inside
+``with packer.packed():``, which both of our decoding methods enter, so the
+autoregressive baseline and self-speculative decoding share the same forward
+path. Outside the block every linear computes exactly as before (the
+transformers baselines in the same process run the stock model). The copies
+are extra memory (:attr:`WeightPacker.extra_bytes`); only bf16 weights on CPU
+are packed, everything else runs as loaded.
+
+``keep_dense=False`` frees the dense weights once packed; only the packed
+copies of weights that must stay dense are then extra: a weight shared with
+another module (tied embeddings) and the LM head's, whose rows the draft's cut
+head gathers per request (:mod:`selfspec.draft.path`). The model then computes on
+the packed weights everywhere (the same results), and ``weight`` rebuilds a
+dense weight exactly from the packed copy when something reads it
+(``to_dense``, ~50 ms for a 1536x8960 weight). As transformers maps the
+checkpoint file into memory, the other tensors are then copied out of it so
+that the mapping, and the freed weights' pages, can go.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from selfspec.draft.wrap import instance_state, wrap_descendants
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether this weight gets a packed copy: bf16 on a CPU with oneDNN."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+class LinearWrapper(nn.Module):
+    """A linear layer wrapped in place, with another way to compute it while ``active``.
+
+    Reads as the wrapped layer (``weight``, ``bias``, feature counts); the
+    subclass's ``forward`` calls ``inner`` when not active.
+    """
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.out_features = inner.out_features
+        self.in_features = inner.in_features
+        self.active = False
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.inner.bias
+
+
+class PackedLinear(LinearWrapper):
+    """An ``nn.Linear`` that also keeps its weight in oneDNN's layout, used while ``active``.
+
+    Without its dense weight (:meth:`drop_dense`) it always computes on the packed one.
+    """
+
+    def __init__(self, inner: nn.Linear, pinned: bool = False) -> None:
+        super().__init__(inner)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(inner.weight.detach(), 1)
+        self.dense = True
+        self.pinned = pinned  # the dense weight must stay (shared with another module, or the LM head's)
+        self.requires_grad = inner.weight.requires_grad
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight if self.dense else self.packed.to_dense()
+
+    @property
+    def extra_bytes(self) -> int:
+        """The packed copy's size while the dense weight is kept too, else 0."""
+        return self.packed.numel() * self.packed.element_size() if self.dense else 0
+
+    def drop_dense(self) -> None:
+        if self.dense and not self.pinned:
+            del self.inner.weight
+            self.dense = False
+
+    def restore_dense(self) -> None:
+        if not self.dense:
+            self.inner.weight = nn.Parameter(self.packed.to_dense(), requires_grad=self.requires_grad)
+            self.dense = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.active and self.dense:
+            return self.inner(x)
+        bias = self.inner.bias
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if bias is None else bias.detach(),
+                                                  "none", [], "")
+
+
+class WeightPacker:
+    """Owns the :class:`PackedLinear` wrappers of one model; switch them on with :meth:`packed`."""
+
+    def __init__(self, model: nn.Module, keep_dense: bool = True) -> None:
+        self.model = model
+        self.keeps_dense = keep_dense
+        self.linears: list[PackedLinear] = _wrap(model, keep_dense)
+        self.depth = 0
+        if not keep_dense:
+            _unmap_checkpoint(model)
+
+    @property
+    def extra_bytes(self) -> int:
+        return sum(lin.extra_bytes for lin in self.linears)
+
+    def keep_dense(self, keep: bool) -> None:
+        """Keep the dense weights beside the packed ones (the model as loaded outside :meth:`packed`) or free them."""
+        if keep != self.keeps_dense:
+            for lin in self.linears:
+                if keep:
+                    lin.restore_dense()
+                else:
+                    lin.drop_dense()
+            if not keep:
+                _unmap_checkpoint(self.model)
+            self.keeps_dense = keep
+
+    @contextmanager
+    def packed(self) -> Iterator[None]:
+        """Within the block the wrapped linears use their packed weights (blocks may nest)."""
+        self.depth += 1
+        try:
+            for lin in self.linears:
+                lin.active = True
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                for lin in self.linears:
+                    lin.active = False
+
+
+def _wrap(model: nn.Module, keep_dense: bool) -> list[PackedLinear]:
+    """Wraps every packable linear of ``model``; without ``keep_dense`` frees each dense weight that may go.
+
+    Also looks inside other wrappers (skippable sublayers, draft linears, the cut head).
+    """
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = head.weight if head is not None else None
+    linears = wrap_descendants(
+        model, PackedLinear,
+        match=lambda m: isinstance(m, nn.Linear) and can_pack(m.weight),
+        make=lambda m: PackedLinear(m, pinned=counts[id(m.weight)] > 1 or m.weight is head_weight),
+    )
+    if not keep_dense:
+        for lin in linears:
+            lin.drop_dense()
+    return linears
+
+
+def _unmap_checkpoint(model: nn.Module) -> None:
+    """Copies the remaining parameters and buffers into process memory, so the checkpoint can be unmapped.
+
+    transformers maps the weights file into memory; the pages of freed dense
+    weights stay resident while any tensor of that file is alive, so freeing
+    them alone saves nothing. The copies hold the same values (a tied weight stays tied).
+    """
+    with torch.no_grad():
+        for p in model.parameters():  # each once: a tied weight is one parameter
+            p.data = p.data.clone()
+        for module in model.modules():
+            for name, t in module._buffers.items():
+                if t is not None:
+                    module._buffers[name] = t.clone()
+
+
+_PACKER_ATTR = "_selfspec_packer"
+
+
+def weight_packer(model: nn.Module, keep_dense: bool | None = None) -> WeightPacker:
+    """The :class:`WeightPacker` of ``model``, packing its linears on first use (a few seconds for 1.5B).
+
+    ``keep_dense``: keep (True) or free (False) the dense weights beside the packed
+    ones; None leaves them as they are (kept, when packing now).
+    """
+    packer = instance_state(model, _PACKER_ATTR, lambda: WeightPacker(model, keep_dense is not False))
+    if keep_dense is not None:
+        packer.keep_dense(keep_dense)  # nothing to do when they already are
+    return packer
+
+
+@contextmanager
+def packed_weights(model: nn.Module, on: bool = True, only: bool | None = None) -> Iterator[None]:
+    """Run ``model`` on its packed weights inside the block (packing them on first use).
+
+    ``only``: free (True) or keep (False) the dense weights; None: as they are.
+    ``on=False``: the weights as loaded (dense weights freed before are rebuilt).
+    """
+    if not on:
+        packer = model.__dict__.get(_PACKER_ATTR)
+        if packer is not None:
+            packer.keep_dense(True)
+        yield
+        return
+    with weight_packer(model, None if only is None else not only).packed():
+        yield

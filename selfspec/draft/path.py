@@ -1,0 +1,144 @@
+"""A cheaper draft through the same model: fewer sublayers, lower-precision weights, a cut LM head.
+
+Self-speculative drafting runs the target model with the plan's sublayers
+skipped. :class:`DraftPath` makes each draft step cheaper still, without a
+second model and without touching what verification computes:
+
+- ``weights: int8 | int4``: the linear layers of the *kept* sublayers get a
+  weight-only quantized copy (int8 with one scale per output row, through
+  ``torch.ops.aten._weight_int8pack_mm``; int4 with asymmetric groups of
+  ``group_size``, through ``_weight_int4pack_mm_for_cpu``) used only while
+  drafting. Decode steps are memory-bound, so reading a half or a quarter of
+  the bytes makes a draft step about that much cheaper. The copies are extra
+  memory and are reported (:attr:`DraftPath.extra_bytes`).
+- ``head_tokens: N``: while drafting, the LM head scores only N token ids (the
+  lowest ids, which byte-pair merge order makes the most frequent ones, plus
+  the prompt's own tokens and the stop tokens); the others get ``-inf``.
+  The full head of a 150k-token vocabulary costs as much as a few layers.
+- ``ngram: n``: when the last n tokens occurred earlier in the context, the
+  round drafts by copying what followed them (prompt lookup, :class:`NGramIndex`),
+  up to ``copy_tokens`` tokens (default: k), and runs no draft forward at all.
+
+Both are switched on only inside ``with path.drafting():`` (together with the
+skip plan) by wrapping modules of *that* model instance in place, as
+:mod:`selfspec.draft.skip` does; outside the block every module computes exactly
+what it computed before. Verification stays the full model, so greedy output
+is unchanged and sampling keeps the target distribution: the draft only
+proposes.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from selfspec.draft.head import CutHead
+from selfspec.draft.lowbit import LowPrecisionLinear, wrap_linears
+from selfspec.draft.plan import SkipPlan
+from selfspec.draft.skip import layer_skipper
+from selfspec.errors import SelfSpecError
+
+WEIGHTS = ("model", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    weights: str = "model"  # model | int8 | int4: precision of the kept linears while drafting
+    group_size: int = 32  # int4 quantization group (along the input dimension)
+    head_tokens: int = 0  # 0 = the full LM head while drafting; N = N token ids + prompt + stop tokens
+    ngram: int = 0  # 0 = off; n >= 1: draft by copying what followed the last n tokens in the context
+    copy_tokens: int = 0  # longest copy draft; 0 = k, like the layer-skip draft
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise SelfSpecError(f"draft weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.head_tokens < 0 or self.ngram < 0 or self.copy_tokens < 0:
+            raise SelfSpecError("head_tokens, ngram and copy_tokens must be >= 0")
+        if self.weights == "int4" and self.group_size not in (32, 64, 128, 256):
+            raise SelfSpecError(f"int4 group_size must be 32, 64, 128 or 256, got {self.group_size}")
+
+    @property
+    def plain(self) -> bool:
+        return self.weights == "model" and self.head_tokens == 0
+
+    def record(self) -> dict | None:
+        """The options as a run records them (None for the plan-only draft).
+
+        ``copy_tokens`` appears only when set, so runs recorded before it existed still resume.
+        """
+        if self.plain and not self.ngram:
+            return None
+        rec = asdict(self)
+        if not self.copy_tokens:
+            del rec["copy_tokens"]
+        return rec
+
+
+class DraftPath:
+    """The draft-only state of one model for one plan: skips, quantized copies, cut head."""
+
+    def __init__(self, model: nn.Module, plan: SkipPlan, options: DraftOptions, stop_ids=()) -> None:
+        self.model = model
+        self.plan = plan
+        self.options = options
+        self.skipper = layer_skipper(model)
+        plan.check_model(self.skipper.num_layers)
+        self.linears: list[LowPrecisionLinear] = []
+        if options.weights != "model":
+            if next(model.parameters()).device.type != "cpu":
+                raise SelfSpecError("int8/int4 draft weights use CPU kernels; use weights=model on other devices")
+            skipped = [(self.skipper.attn, set(plan.attn)), (self.skipper.mlp, set(plan.mlp))]
+            for subs, off in skipped:
+                for i, sub in enumerate(subs):
+                    if i not in off:
+                        self.linears += wrap_linears(sub.inner, options.weights, options.group_size)
+        self.head: CutHead | None = None
+        self.base_ids: torch.Tensor | None = None
+        if options.head_tokens:
+            head = model.get_output_embeddings()
+            if not isinstance(head, CutHead):
+                head = CutHead(head)
+                model.set_output_embeddings(head)  # the model's own setter: the head may sit anywhere
+            self.head = head
+            vocab = head.inner.out_features
+            base = set(range(min(options.head_tokens, vocab))) | {int(i) for i in stop_ids if 0 <= int(i) < vocab}
+            self.base_ids = torch.tensor(sorted(base), dtype=torch.long)
+
+    @property
+    def extra_bytes(self) -> int:
+        """Memory the draft path keeps beside the model: quantized copies, the cut head's rows.
+
+        Before the first request the head's rows are counted for the base ids
+        (a request adds its prompt's tokens).
+        """
+        head = 0
+        if self.head is not None:
+            w = self.head.inner.weight
+            rows = self.head.rows.shape[0] if self.head.rows is not None else self.base_ids.numel()
+            head = rows * w.shape[1] * w.element_size()
+        return sum(lin.extra_bytes for lin in self.linears) + head
+
+    def prepare(self, prompt: torch.Tensor) -> None:
+        """Per request: the cut head also scores the prompt's tokens (copying them is common)."""
+        if self.head is not None:
+            ids = torch.cat([self.base_ids.to(prompt.device), prompt.reshape(-1)]).unique()
+            self.head.choose(ids)
+
+    @contextmanager
+    def drafting(self) -> Iterator[None]:
+        with self.skipper.skipping(self.plan):
+            try:
+                for lin in self.linears:
+                    lin.active = True
+                if self.head is not None:
+                    self.head.active = True
+                yield
+            finally:
+                for lin in self.linears:
+                    lin.active = False
+                if self.head is not None:
+                    self.head.active = False

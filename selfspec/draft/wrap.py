@@ -1,0 +1,66 @@
+"""Wrapping submodules of one model instance in place, and state held by that instance.
+
+Every way this project changes what a model computes (skipped sublayers,
+packed weights, low-precision draft weights, a cut head) replaces a submodule
+of *that* model object by a wrapper that holds the original as ``inner``: no
+transformers class is patched, other instances are untouched, and wrapping
+twice finds the wrapper already there. The per-model owner of those wrappers
+(a :class:`~selfspec.draft.skip.LayerSkipper`, a
+:class:`~selfspec.draft.packed.WeightPacker`) lives in the instance's own
+``__dict__`` (:func:`instance_state`), not in a global.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+from torch import nn
+
+W = TypeVar("W", bound=nn.Module)
+S = TypeVar("S")
+
+
+def wrap_attr(parent: nn.Module, name: str, wrapper: type[W], make: Callable[[nn.Module], W]) -> W:
+    """The ``wrapper`` around ``parent.<name>``, made with ``make`` and put in place on first use."""
+    child = getattr(parent, name)
+    if isinstance(child, wrapper):
+        return child
+    wrapped = make(child)
+    setattr(parent, name, wrapped)
+    return wrapped
+
+
+def wrap_descendants(root: nn.Module, wrapper: type[W], match: Callable[[nn.Module], bool],
+                     make: Callable[[nn.Module], W], on_existing: Callable[[W], None] | None = None) -> list[W]:
+    """Wrap every descendant of ``root`` that ``match`` accepts; returns all ``wrapper`` modules found.
+
+    A descendant that already is a ``wrapper`` is kept (``on_existing`` may
+    reconfigure it) and not entered; other modules, other wrappers included,
+    are searched further down.
+    """
+    found: list[W] = []
+
+    def visit(module: nn.Module) -> None:
+        for name, child in list(module.named_children()):
+            if isinstance(child, wrapper):
+                if on_existing is not None:
+                    on_existing(child)
+                found.append(child)
+            elif match(child):
+                wrapped = make(child)
+                setattr(module, name, wrapped)
+                found.append(wrapped)
+            else:
+                visit(child)
+
+    visit(root)
+    return found
+
+
+def instance_state(model: nn.Module, attr: str, make: Callable[[], S], valid: Callable[[S], bool] = lambda s: True) -> S:
+    """The object stored on ``model`` under ``attr``, made with ``make`` when absent or no longer ``valid``."""
+    state = model.__dict__.get(attr)
+    if state is None or not valid(state):
+        state = make()
+        model.__dict__[attr] = state
+    return state

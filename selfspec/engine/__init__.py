@@ -1,0 +1,1 @@
+"""The decoding engine: one positional KV cache, the AR and self-speculative loops, verification and sampling, stats."""

@@ -1,0 +1,363 @@
+"""Autoregressive and self-speculative decoding on one model and one cache.
+
+Both methods run through the same :class:`_Run`: the same forward call
+(:meth:`_Run.forward`, which seeks the cache and passes absolute positions
+explicitly), the same token bookkeeping and the same :class:`Clock`. The
+autoregressive baseline is the loop of plain steps; self-speculative decoding
+replaces plain steps by rounds of ``draft k tokens with the plan's sublayers
+skipped -> verify k+1 positions in one full-depth forward``.
+
+Invariants:
+- the loop owns positions: ``self.pos`` is the absolute position of the
+  pending token (emitted, not yet run through the full model); every slot
+  below ``pos`` holds full-model keys/values in every layer;
+- rejected drafts are rolled back by not advancing ``pos`` past them (the
+  cache is never copied or cropped);
+- greedy self-speculative output is token-identical to greedy
+  autoregressive output (up to floating-point differences between a
+  one-token and a multi-token forward); sampling keeps the target
+  distribution (see :mod:`selfspec.engine.sampling`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.draft.copy import NGramIndex
+from selfspec.draft.packed import packed_weights
+from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.draft.plan import SkipPlan
+from selfspec.engine.cache import PositionalKVCache
+from selfspec.engine.sampling import (
+    SamplingParams,
+    probs_from_logits,
+    sample,
+    verify_greedy,
+    verify_sampling,
+)
+from selfspec.engine.stats import Clock, DecodeStats
+from selfspec.errors import SelfSpecError
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How to decode. ``k`` is the (maximum) number of drafted tokens per round.
+
+    Adaptive draft exit (Draft & Verify): drafting stops after a token whose
+    draft probability is below ``threshold``; after each round the threshold
+    moves up by ``threshold_step`` when the running acceptance is under
+    ``target_acceptance`` and down otherwise.
+
+    ``packed_weights``: run the model's bf16 linears on copies prepacked for
+    oneDNN (:mod:`selfspec.draft.packed`; same tokens, faster steps, the copies'
+    memory extra); ignored where nothing can be packed. ``packed_only``: free
+    the dense weights once packed, so packing adds no memory; the model then
+    computes on the packed weights outside our loop too (same results), so
+    transformers' methods cannot serve as a stock baseline in that process.
+
+    Fallback: after ``fallback_min_rounds`` rounds, when the running
+    tokens-per-round times the verify time falls under the running round
+    time (speculation predicted slower than plain decoding), the request
+    continues with plain steps and the stats record where.
+    """
+
+    max_new_tokens: int = 128
+    k: int = 4
+    adaptive: bool = False
+    threshold: float = 0.5
+    threshold_step: float = 0.05
+    target_acceptance: float = 0.7
+    fallback: bool = True
+    fallback_min_rounds: int = 8
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    packed_weights: bool = True
+    packed_only: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise SelfSpecError(f"k (draft tokens per round) must be an integer >= 1, got {self.k!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise SelfSpecError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if not 0.0 <= self.threshold < 1.0:
+            raise SelfSpecError(f"threshold must be in [0, 1), got {self.threshold}")
+        if self.packed_only and not self.packed_weights:
+            raise SelfSpecError("packed_only frees the dense weights of packed ones: it needs packed_weights=true")
+
+
+@dataclass
+class Generation:
+    """New token ids (EOS included when it ended the request) and the raw stats."""
+
+    tokens: list[int]
+    stats: DecodeStats
+
+
+def forward_at(model, cache: PositionalKVCache, tokens: torch.Tensor, start: int, keep: int,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The one forward everything uses: ``tokens`` at absolute positions ``start..`` on ``cache``.
+
+    Seeks the cache, passes the positions explicitly, and returns the logits
+    ``[keep, V]`` of the last ``keep`` tokens. ``positions`` is an optional
+    preallocated ``[1, >= start+n]`` row of position ids to slice from.
+    """
+    n = tokens.shape[-1]
+    cache.seek(start, n)
+    if positions is None:
+        pos = torch.arange(start, start + n, device=tokens.device)[None]
+    else:
+        pos = positions[:, start : start + n]
+    out = model(input_ids=tokens.reshape(1, n), position_ids=pos, past_key_values=cache,
+                use_cache=True, logits_to_keep=keep)
+    return out.logits[0]
+
+
+def context_length(model) -> int | None:
+    cfg = model.config.get_text_config(decoder=True)
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+class _Run:
+    """State of one generation request: cache, positions, tokens, stats."""
+
+    def __init__(self, model, prompt_ids, cfg: DecodeConfig, eos_ids, method: str, extra_slots: int) -> None:
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise SelfSpecError("the prompt is empty: give at least one token")
+        n_ctx = context_length(model)
+        need = ids.numel() + cfg.max_new_tokens
+        if n_ctx is not None and need > n_ctx:
+            raise SelfSpecError(
+                f"the prompt has {ids.numel()} tokens; with max_new_tokens={cfg.max_new_tokens} that is "
+                f"{need} positions, more than the model's context of {n_ctx}"
+            )
+        self.model = model
+        self.cfg = cfg
+        self.device = next(model.parameters()).device
+        self.prompt = ids.to(self.device)
+        self.eos = frozenset(int(e) for e in eos_ids)
+        self.cache = PositionalKVCache(model, max_len=need + extra_slots)
+        self.positions = torch.arange(self.cache.max_len, device=self.device).unsqueeze(0)
+        self.clock = Clock(self.device)
+        self.stats = DecodeStats(method=method, prompt_tokens=ids.numel())
+        self.generator = None
+        if not cfg.sampling.greedy:
+            self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.out: list[int] = []
+        self.pos = 0
+        self.pending = -1
+        self.done = cfg.max_new_tokens == 0
+        self.t_start = 0.0
+
+    # -- the one forward both methods use ------------------------------------------
+    def forward(self, tokens: torch.Tensor, start: int, keep: int) -> torch.Tensor:
+        """Logits ``[keep, V]`` for the last ``keep`` of ``tokens`` placed at ``start..``."""
+        return forward_at(self.model, self.cache, tokens, start, keep, self.positions)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The target's choice from one row of logits (argmax or a sample of p)."""
+        if self.cfg.sampling.greedy:
+            return int(logits.argmax(-1))
+        return int(sample(probs_from_logits(logits, self.cfg.sampling), self.generator))
+
+    # -- bookkeeping shared by both methods ------------------------------------------
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Append tokens, stopping at EOS and at max_new_tokens; returns what was kept."""
+        room = self.cfg.max_new_tokens - len(self.out)
+        kept = tokens[:room]
+        for i, t in enumerate(kept):
+            if t in self.eos:
+                kept = kept[: i + 1]
+                self.stats.stop_reason = "eos"
+                self.done = True
+                break
+        self.out.extend(kept)
+        if len(self.out) >= self.cfg.max_new_tokens and not self.done:
+            self.stats.stop_reason = "max_new_tokens"
+            self.done = True
+        return kept
+
+    def start(self) -> None:
+        """Prefill the prompt and emit the first token (time to first token)."""
+        self.t_start = self.clock.now()
+        if self.done:
+            self.stats.stop_reason = "max_new_tokens"
+            return
+        logits = self.forward(self.prompt, 0, keep=1)
+        first = self.pick(logits[-1])
+        self.pos = self.prompt.numel()
+        self.pending = first
+        self.emit([first])
+        self.stats.ttft = self.stats.prefill_time = self.clock.now() - self.t_start
+        self.stats.new_tokens = 1
+
+    def plain_step(self) -> None:
+        """One full-depth forward of the pending token; emits the next token."""
+        t0 = self.clock.now()
+        logits = self.forward(self.token_tensor([self.pending]), self.pos, keep=1)
+        nxt = self.pick(logits[-1])
+        self.pos += 1
+        self.pending = nxt
+        kept = self.emit([nxt])
+        dt = self.clock.now() - t0
+        self.stats.plain_steps += 1
+        self.stats.step_time += dt
+        self.stats.record_tokens(len(kept), dt)
+
+    def token_tensor(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long, device=self.device)
+
+    def finish(self) -> Generation:
+        self.stats.total_time = self.clock.now() - self.t_start
+        return Generation(tokens=list(self.out), stats=self.stats)
+
+
+def autoregressive(model, prompt_ids, cfg: DecodeConfig, eos_ids=()) -> Generation:
+    """Plain decoding: one full-depth forward per new token."""
+    run = _Run(model, prompt_ids, cfg, eos_ids, "autoregressive", extra_slots=1)
+    with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only):
+        run.start()
+        while not run.done:
+            run.plain_step()
+    return run.finish()
+
+
+class _Speculator:
+    """Draft / verify rounds on top of a :class:`_Run`."""
+
+    def __init__(self, run: _Run, path: DraftPath) -> None:
+        self.run = run
+        self.cfg = run.cfg
+        self.path = path
+        self.ngram = NGramIndex(path.options.ngram) if path.options.ngram else None
+        self.threshold = self.cfg.threshold
+        self.ema_acceptance: float | None = None
+        self.ema_tokens: float | None = None
+        self.ema_verify: float | None = None
+        self.ema_round: float | None = None
+        self.speculating = True
+
+    def start(self) -> None:
+        self.path.prepare(self.run.prompt)
+        self.run.start()
+        if self.ngram is not None:
+            self.ngram.extend(self.run.prompt.tolist())
+
+    def copy_draft(self, k: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Up to ``k`` tokens copied from the context after a repeat of its last n tokens."""
+        if self.ngram is None:
+            return [], []
+        run = self.run
+        self.ngram.extend(run.out[len(self.ngram.tokens) - run.prompt.numel():])  # catch up with the context
+        drafts = self.ngram.propose(k)
+        qs = []
+        if drafts and not self.cfg.sampling.greedy:  # the proposal distribution is a point mass
+            vocab = self.run.model.get_output_embeddings().weight.shape[0]
+            for t in drafts:
+                q = torch.zeros(vocab, device=self.run.device)
+                q[t] = 1.0
+                qs.append(q)
+        return drafts, qs
+
+    def draft(self, k: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Up to ``k`` draft tokens from the drafting model, starting at the pending token."""
+        run, greedy = self.run, self.cfg.sampling.greedy
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        x = run.pending
+        with self.path.drafting():
+            for j in range(k):
+                logits = run.forward(run.token_tensor([x]), run.pos + j, keep=1)[-1]
+                if greedy:
+                    x = int(logits.argmax(-1))
+                    conf = float(logits.float().softmax(-1).max()) if self.cfg.adaptive else 1.0
+                else:
+                    q = probs_from_logits(logits, self.cfg.sampling)
+                    x = int(sample(q, run.generator))
+                    qs.append(q)
+                    conf = float(q.max())
+                drafts.append(x)
+                if self.cfg.adaptive and conf < self.threshold:
+                    break
+        return drafts, qs
+
+    def verify(self, drafts: list[int], qs: list[torch.Tensor]) -> tuple[int, int]:
+        run = self.run
+        tokens = run.token_tensor([run.pending] + drafts)
+        logits = run.forward(tokens, run.pos, keep=len(drafts) + 1)
+        draft_t = tokens[1:]
+        if self.cfg.sampling.greedy:
+            return verify_greedy(draft_t, logits)
+        p = probs_from_logits(logits, self.cfg.sampling)
+        return verify_sampling(draft_t, torch.stack(qs), p, run.generator)
+
+    def round(self) -> None:
+        run, stats = self.run, self.run.stats
+        room = self.cfg.max_new_tokens - len(run.out) - 1
+        k = min(self.cfg.k, room)
+        if k < 1 or not self.speculating:
+            run.plain_step()
+            return
+        t0 = run.clock.now()
+        drafts, qs = self.copy_draft(min(self.path.options.copy_tokens or k, room))
+        if drafts:
+            stats.copy_rounds += 1
+        else:
+            drafts, qs = self.draft(k)
+        t1 = run.clock.now()
+        n, nxt = self.verify(drafts, qs)
+        run.pos += n + 1
+        run.pending = nxt
+        kept = run.emit(drafts[:n] + [nxt])
+        t2 = run.clock.now()
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.record_round(len(drafts), n)
+        stats.record_tokens(len(kept), t2 - t0)
+        self.adapt(len(drafts), n, t2 - t1, t2 - t0)
+
+    def adapt(self, drafted: int, accepted: int, verify_time: float, round_time: float) -> None:
+        ema = _ema
+        self.ema_acceptance = ema(self.ema_acceptance, accepted / drafted)
+        if self.cfg.adaptive:
+            step = self.cfg.threshold_step
+            up = self.ema_acceptance < self.cfg.target_acceptance
+            self.threshold = min(0.99, max(0.0, self.threshold + (step if up else -step)))
+        self.ema_tokens = ema(self.ema_tokens, accepted + 1.0)
+        self.ema_verify = ema(self.ema_verify, verify_time)
+        self.ema_round = ema(self.ema_round, round_time)
+        if (
+            self.cfg.fallback
+            and self.run.stats.rounds >= self.cfg.fallback_min_rounds
+            and self.ema_tokens * self.ema_verify < self.ema_round
+        ):
+            self.speculating = False
+            self.run.stats.fell_back_at = len(self.run.out)
+
+
+def _ema(old: float | None, new: float, beta: float = 0.8) -> float:
+    return new if old is None else beta * old + (1.0 - beta) * new
+
+
+def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_ids=(),
+                     draft: DraftPath | None = None) -> Generation:
+    """Draft with ``plan``'s sublayers skipped, verify with the full model, on one cache.
+
+    ``draft`` (a :class:`~selfspec.draft.path.DraftPath` built for ``plan``) makes
+    draft steps cheaper still (low-precision kept weights, a cut LM head,
+    copy drafting); without it the draft is the plan alone.
+    """
+    if draft is None:
+        draft = DraftPath(model, plan, DraftOptions())
+    elif draft.plan != plan or draft.model is not model:
+        raise SelfSpecError("the draft path was built for another plan or model")
+    longest = max(cfg.k, draft.options.copy_tokens if draft.options.ngram else 0)
+    run = _Run(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
+    spec = _Speculator(run, draft)
+    with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only):
+        spec.start()
+        while not run.done:
+            spec.round()
+    return run.finish()

@@ -1,0 +1,1 @@
+"""Evaluation: methods (ours and transformers'), the timing harness, the runner, results records, tables and figures."""

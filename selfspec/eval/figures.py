@@ -1,0 +1,103 @@
+"""Figures from raw results and Optuna studies (PNG): speedup and acceptance versus skipped
+sublayers, acceptance by draft position, search history. Every number comes from the rows."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def _study_trials(studies: Path) -> dict[str, list]:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    out = {}
+    for db in sorted(studies.glob("*.db")):
+        storage = f"sqlite:///{db}"
+        for name in optuna.get_all_study_names(storage):
+            study = optuna.load_study(study_name=name, storage=storage)
+            trials = [t for t in study.get_trials(deepcopy=False) if t.value is not None]
+            if trials:
+                out[name] = trials
+    return out
+
+
+LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+
+
+def write_figures(by_exp: dict[str, list[dict]], studies: Path | None, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    spec = [r for rows in by_exp.values() for r in rows if r["attn_skipped"] is not None]
+    trials = _study_trials(studies) if studies and studies.is_dir() else {}
+
+    # speedup and acceptance versus skipped sublayers: predicted by the searches, measured by the runs
+    if spec or trials:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for name, ts in trials.items():
+            n = [t.user_attrs.get("n_skipped") for t in ts]
+            ax1.scatter(n, [t.value for t in ts], s=8, alpha=0.35, label=f"{name} (predicted)")
+            ax2.scatter(n, [t.user_attrs.get("predicted_acceptance") for t in ts], s=8, alpha=0.35,
+                        label=f"{name} (predicted)")
+        for model in sorted({r["model"] for r in spec}):
+            rs = [r for r in spec if r["model"] == model]
+            n = [r["attn_skipped"] + r["mlp_skipped"] for r in rs]
+            ax1.scatter(n, [r["speedup"] for r in rs], marker="x", s=40, label=f"{model} (measured)")
+            ax2.scatter(n, [r["acceptance_rate"] for r in rs], marker="x", s=40, label=f"{model} (measured)")
+        ax1.axhline(1.0, color="grey", lw=0.8)
+        ax1.set(xlabel="sublayers skipped while drafting", ylabel="speedup over autoregressive")
+        ax2.set(xlabel="sublayers skipped while drafting", ylabel="acceptance rate")
+        ax2.legend(fontsize=6, loc="lower left")
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "speedup_acceptance_vs_skipped.png"))
+
+    # acceptance by draft position: a panel per model, a colour per task set, a line style per run
+    with_pos = [(exp, r) for exp, rows in by_exp.items() for r in rows
+                if r["attn_skipped"] is not None and len(r["acceptance_by_position"]) > 1]
+    if with_pos:
+        models = sorted({r["model"] for _, r in with_pos})
+        datasets = sorted({r["dataset"] for _, r in with_pos})
+        fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            exps = sorted({exp for exp, r in with_pos if r["model"] == model})
+            for exp, r in with_pos:
+                if r["model"] == model:
+                    acc = r["acceptance_by_position"]
+                    ax.plot(range(1, len(acc) + 1), acc, marker="o", ms=3, color=f"C{datasets.index(r['dataset'])}",
+                            ls=LINE_STYLES[exps.index(exp) % len(LINE_STYLES)], label=f"{exp}: {r['dataset']} k={r['k']}")
+            ax.set(title=model, xlabel="draft position", ylabel="acceptance (given the previous ones)", ylim=(0, 1.02))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.legend(fontsize=5, ncol=2, loc="lower left")
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "acceptance_by_position.png"))
+
+    # search history
+    if trials:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, ts in trials.items():
+            ts = sorted(ts, key=lambda t: t.number)
+            best, run = [], -math.inf
+            for t in ts:
+                run = max(run, t.value)
+                best.append(run)
+            ax.plot([t.number for t in ts], [t.value for t in ts], ".", alpha=0.3, ms=3)
+            ax.plot([t.number for t in ts], best, label=name)
+        ax.set(xlabel="trial", ylabel="predicted speedup (dots: trials, line: best so far)")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "search_history.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=130)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

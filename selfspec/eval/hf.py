@@ -1,0 +1,90 @@
+"""What users would pick instead: transformers' own decoding, timed and counted as ours.
+
+- ``hf_generate``: ``model.generate`` greedy (plain autoregressive);
+- ``hf_prompt_lookup``: prompt-lookup decoding (``prompt_lookup_num_tokens``);
+- ``hf_assisted``: assisted generation with a second, smaller model of the same
+  tokenizer drafting (``assistant_model``);
+- ``hf_early_exit``: LayerSkip-style self-drafting from the first layers
+  (``assistant_early_exit``).
+
+Each is timed with the same :class:`~selfspec.stats.Clock` as our methods; a
+streamer stamps the time each new token becomes available (time to first
+token, per-token latencies); new tokens are counted as ours are (EOS
+included, at most ``max_new_tokens``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.assets.models import LoadedModel
+from selfspec.engine.decoding import DecodeConfig, Generation
+from selfspec.engine.stats import Clock, DecodeStats
+from selfspec.errors import SelfSpecError
+
+
+class _Stamps:
+    """A generate() streamer recording (time, number of new tokens) per push."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.pushes: list[tuple[float, int]] = []
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate() pushes the prompt first
+            self.prompt_seen = True
+            return
+        self.pushes.append((self.clock.now(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+
+def hf_runner(lm: LoadedModel, name: str, gen_kwargs: dict):
+    """A ``run(ids, cfg) -> Generation`` that calls ``lm.model.generate`` greedy with ``gen_kwargs``."""
+    model = lm.model
+    device = next(model.parameters()).device
+    clock = Clock(device)
+    eos = sorted(lm.eos_ids)
+    pad = getattr(lm.tokenizer, "pad_token_id", None)
+    pad = eos[0] if pad is None else pad
+
+    def run(ids: list[int], cfg: DecodeConfig) -> Generation:
+        if not cfg.sampling.greedy:
+            raise SelfSpecError(f"{name} is run greedy only in this harness")
+        stats = DecodeStats(method=name, prompt_tokens=len(ids))
+        if cfg.max_new_tokens == 0:
+            return Generation([], stats)
+        x = torch.tensor([ids], dtype=torch.long, device=device)
+        stamps = _Stamps(clock)
+        t0 = clock.now()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
+                do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=eos,
+                pad_token_id=pad, streamer=stamps, **gen_kwargs,
+            )
+        t1 = clock.now()
+        new = out[0, len(ids):].tolist()[: cfg.max_new_tokens]
+        for i, t in enumerate(new):
+            if t in lm.eos_ids:
+                new = new[: i + 1]
+                stats.stop_reason = "eos"
+                break
+        else:
+            stats.stop_reason = "max_new_tokens"
+        stats.total_time = t1 - t0
+        prev = t0
+        for t, n in stamps.pushes:
+            n = min(n, len(new) - len(stats.token_latencies))
+            if n <= 0:
+                break
+            if not stats.token_latencies:
+                stats.ttft = stats.prefill_time = t - t0
+            stats.token_latencies.extend([(t - prev) / n] * n)
+            prev = t
+        stats.new_tokens = len(new)
+        return Generation(new, stats)
+
+    return run

@@ -1,0 +1,159 @@
+"""Every decoding method the runner can compare, behind one interface and listed in one place.
+
+A :class:`Method` turns prompt ids into a :class:`~selfspec.engine.decoding.Generation`
+(new tokens and :class:`~selfspec.engine.stats.DecodeStats`). Our own
+``autoregressive`` and ``self_speculative`` share one forward, one token count
+and one clock (:mod:`selfspec.engine.decoding`); the transformers baselines
+(:mod:`selfspec.eval.hf`) are timed with the same :class:`~selfspec.engine.stats.Clock`
+and count new tokens the same way (EOS included, cut at ``max_new_tokens``).
+:data:`BUILDERS` lists them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from selfspec.assets.models import LoadedModel, load_model
+from selfspec.draft.packed import weight_packer
+from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.draft.plan import SkipPlan
+from selfspec.engine.decoding import (
+    DecodeConfig,
+    Generation,
+    autoregressive,
+    self_speculative,
+)
+from selfspec.errors import SelfSpecError
+from selfspec.eval.hf import hf_runner
+from selfspec.typed import typed
+
+
+@dataclass
+class Method:
+    """A named decoder bound to one loaded model.
+
+    ``extra_memory_bytes`` is what the method keeps beside the model's own
+    weights (a second model, a quantized copy, ...), measured when it is built.
+    """
+
+    name: str
+    run: Callable[[list[int], DecodeConfig], Generation]
+    cfg: DecodeConfig
+    plan: SkipPlan | None = None
+    extra_memory_bytes: int = 0
+    info: dict | None = None
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> Generation:
+        cfg = self.cfg if max_new_tokens is None else replace(self.cfg, max_new_tokens=max_new_tokens)
+        gen = self.run(list(prompt_ids), cfg)
+        gen.stats.method = self.name
+        return gen
+
+
+@dataclass(frozen=True)
+class PromptLookupOptions:
+    num_tokens: int = 10  # prompt_lookup_num_tokens
+    max_ngram: int = 2  # max_matching_ngram_size
+
+
+@dataclass(frozen=True)
+class AssistedOptions:
+    assistant: str = "qwen2.5-coder-0.5b"  # the draft model (same tokenizer as the target)
+    cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class EarlyExitOptions:
+    exit_layer: int = 8  # assistant_early_exit
+
+
+def _packed_bytes(lm: LoadedModel, cfg: DecodeConfig) -> int:
+    """Packs the weights now (not inside a timed request) and returns the copies' size.
+
+    With ``packed_only`` the dense weights are freed now and only the packed
+    copies of weights that must stay dense count (the LM head's, tied ones).
+    """
+    return weight_packer(lm.model, not cfg.packed_only).extra_bytes if cfg.packed_weights else 0
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _autoregressive(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: None) -> Method:
+    return Method("autoregressive", lambda ids, c: autoregressive(lm.model, ids, c, lm.eos_ids), cfg,
+                  extra_memory_bytes=_packed_bytes(lm, cfg))
+
+
+def _self_speculative(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, options: DraftOptions) -> Method:
+    if plan is None:
+        raise SelfSpecError("method self_speculative needs a skip plan: set plan=<file> "
+                            "(python -m selfspec.search writes results/plans/<model>-<dataset>.json)")
+    path = DraftPath(lm.model, plan, options, stop_ids=lm.eos_ids)
+    return Method("self_speculative",
+                  lambda ids, c: self_speculative(lm.model, ids, plan, c, lm.eos_ids, draft=path), cfg, plan,
+                  extra_memory_bytes=path.extra_bytes + _packed_bytes(lm, cfg), info=options.record())
+
+
+def _hf_generate(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: None) -> Method:
+    return Method("hf_generate", hf_runner(lm, "hf_generate", {}), cfg)
+
+
+def _hf_prompt_lookup(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: PromptLookupOptions) -> Method:
+    kw = {"prompt_lookup_num_tokens": opts.num_tokens, "max_matching_ngram_size": opts.max_ngram}
+    return Method("hf_prompt_lookup", hf_runner(lm, "hf_prompt_lookup", kw), cfg, info={"num_tokens": opts.num_tokens})
+
+
+def _hf_assisted(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: AssistedOptions) -> Method:
+    name = opts.assistant
+    if not name:
+        raise SelfSpecError("hf_assisted needs an assistant model: set method_options.hf_assisted.assistant")
+    dtype = next(lm.model.parameters()).dtype
+    device = str(next(lm.model.parameters()).device)
+    draft = load_model(name, dtype=dtype, device=device, cache_dir=opts.cache_dir)
+    if draft.tokenizer.get_vocab() != lm.tokenizer.get_vocab():
+        raise SelfSpecError(f"assistant {name!r} has another tokenizer than {lm.name!r}")
+    return Method("hf_assisted", hf_runner(lm, "hf_assisted", {"assistant_model": draft.model}), cfg,
+                  extra_memory_bytes=_param_bytes(draft.model), info={"assistant": name})
+
+
+def _hf_early_exit(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: EarlyExitOptions) -> Method:
+    layer = opts.exit_layer
+    return Method("hf_early_exit", hf_runner(lm, "hf_early_exit", {"assistant_early_exit": int(layer)}), cfg,
+                  info={"exit_layer": int(layer)})
+
+
+OUR_METHODS = ("autoregressive", "self_speculative")
+
+BUILDERS: dict[str, Callable[[LoadedModel, DecodeConfig, SkipPlan | None, Any], Method]] = {
+    "autoregressive": _autoregressive,
+    "self_speculative": _self_speculative,
+    "hf_generate": _hf_generate,
+    "hf_prompt_lookup": _hf_prompt_lookup,
+    "hf_assisted": _hf_assisted,
+    "hf_early_exit": _hf_early_exit,
+}
+OPTIONS: dict[str, type] = {  # each method's own settings (method_options.<name>), defaults held here
+    "self_speculative": DraftOptions,
+    "hf_prompt_lookup": PromptLookupOptions,
+    "hf_assisted": AssistedOptions,
+    "hf_early_exit": EarlyExitOptions,
+}
+
+
+def build_method(name: str, lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None = None,
+                 options: dict | None = None) -> Method:
+    """Build method ``name``; ``options`` are the method's own settings (``method_options.<name>``)."""
+    if name not in BUILDERS:
+        raise SelfSpecError(f"unknown method {name!r}; choose from {', '.join(BUILDERS)}")
+    if cfg.packed_only and name not in OUR_METHODS:
+        raise SelfSpecError(f"method {name} runs the model as loaded, but packed_only frees its dense weights; "
+                            "run it in a separate run without decoding.packed_only")
+    if name in OPTIONS:
+        opts = typed(OPTIONS[name], options, f"method_options.{name}")
+    elif options:
+        raise SelfSpecError(f"method {name} takes no options, got method_options.{name}={options}")
+    else:
+        opts = None
+    return BUILDERS[name](lm, cfg, plan, opts)

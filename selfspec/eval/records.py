@@ -1,0 +1,117 @@
+"""The results record: one JSONL row per (sample, method), read back, summarized.
+
+A ``samples.jsonl`` starts with a header row (``"type": "header"``: provenance,
+the resolved config, the methods and a fingerprint of what makes rows
+comparable); every following row is one (sample, method) pair carrying the raw
+:class:`~selfspec.engine.stats.DecodeStats` counters of its generation
+(``counters``). Summaries merge those counters and take every rate from
+:meth:`DecodeStats.summary`, the one place rates are derived.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from selfspec.assets.data import Sample
+from selfspec.engine.decoding import DecodeConfig, Generation
+from selfspec.engine.stats import DecodeStats
+
+
+def output_hash(tokens: list[int]) -> str:
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
+def sample_row(sample: Sample, method: str, gen: Generation, texts: list[str]) -> dict:
+    """One results row: the sample, the raw counters of its generation, readable rates, the output."""
+    s = gen.stats.summary()
+    return {
+        "type": "sample",
+        "sample_id": sample.id,
+        "method": method,
+        "turns": len(sample.turns),
+        "counters": gen.stats.counters(),
+        # derived by DecodeStats.summary(), for reading the file; summaries are re-derived from the counters
+        **{key: s[key] for key in READABLE},
+        "output_sha256": output_hash(gen.tokens),
+        "output_text": texts,
+    }
+
+
+READABLE = ("new_tokens", "tokens_per_s", "ttft_s", "tpot_s", "acceptance_rate", "mean_accepted_length")
+
+
+def stats_of_row(row: dict) -> DecodeStats:
+    """The raw counters of a row, also from rows written before rows carried them (``counters``)."""
+    if "counters" in row:
+        return DecodeStats.from_counters(row["counters"])
+    return DecodeStats(  # the older row format: the counters under their earlier names
+        method=row["method"], requests=row["turns"], prompt_tokens=row.get("prompt_tokens", 0),
+        new_tokens=row["new_tokens"], rounds=row["rounds"], plain_steps=row.get("plain_steps", 0),
+        drafted=row["drafted"], accepted=row["accepted"], drafted_per_position=list(row["drafted_per_position"]),
+        accepted_per_position=list(row["accepted_per_position"]), draft_time=row.get("draft_time_s", 0.0),
+        verify_time=row.get("verify_time_s", 0.0), ttft=row["ttft_s"] * row["turns"], total_time=row["wall_time_s"],
+        token_latencies=list(row["token_latencies_s"]), stop_reason=row.get("stop_reason", ""),
+        fell_back_at=row.get("fell_back_at"),
+    )
+
+
+def read_jsonl(path: Path) -> tuple[dict | None, list[dict]]:
+    """Header and rows of a results file; a torn last line (killed mid-write) is dropped."""
+    header, rows = None, []
+    if not path.is_file():
+        return None, []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("type") == "header":
+            header = header or row
+        elif row.get("type") == "sample":
+            rows.append(row)
+    return header, rows
+
+
+def decode_record(cfg: DecodeConfig) -> dict:
+    """The decoding settings as a run's fingerprint records them.
+
+    ``packed_weights`` and ``packed_only`` appear only when on, so runs recorded
+    before they existed still resume: those made on the weights as loaded with
+    ``decoding.packed_weights=false``, those with packed copies as they are.
+    """
+    rec = asdict(cfg)
+    for key in ("packed_weights", "packed_only"):
+        if not rec[key]:
+            del rec[key]
+    return rec
+
+
+def summarize(rows: list[dict], baseline: str) -> dict[str, dict]:
+    """Per method: the rows' counters merged, every rate from :meth:`DecodeStats.summary`, and
+    the share of samples whose output equals the baseline's; speedup = tokens/s over the baseline's."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["method"], []).append(r)
+    base_hash = {r["sample_id"]: r["output_sha256"] for r in by.get(baseline, [])}
+    out = {}
+    for name, rs in by.items():
+        s = DecodeStats.merged([stats_of_row(r) for r in rs]).summary()
+        matched = [r["output_sha256"] == base_hash[r["sample_id"]] for r in rs if r["sample_id"] in base_hash]
+        out[name] = {
+            "samples": len(rs),
+            **{key: s[key] for key in SUMMARY_KEYS},
+            "wall_time_s": s["total_time_s"],
+            "peak_rss_bytes": max(r.get("peak_rss_bytes", 0) for r in rs),
+            "greedy_match": sum(matched) / len(matched) if matched else float("nan"),
+        }
+    base = out.get(baseline)
+    for s in out.values():
+        s["speedup"] = s["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+    return out
+
+
+SUMMARY_KEYS = ("new_tokens", "tokens_per_s", "acceptance_rate", "mean_accepted_length", "acceptance_by_position",
+                "ttft_s", "tpot_s", "latency_p50_s", "latency_p99_s", "drafted", "accepted", "rounds")

@@ -1,0 +1,119 @@
+"""Evaluation: decode every sample of a task set with several methods, one JSONL row each.
+
+Rows and the header are those of :mod:`selfspec.eval.records`. All methods
+run in the same process on the same prompts, after a warm-up; within a
+sample the method order rotates so no method always runs first.
+
+Resume: rerunning into an existing file checks the fingerprint, skips
+samples whose rows are all present and appends the rest. A sample's rows are
+written together once all its methods are done, so a kill loses at most the
+sample in progress.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tqdm.auto import tqdm
+
+from selfspec.assets.data import Sample, TaskSet
+from selfspec.assets.models import LoadedModel, encode_chat
+from selfspec.engine.decoding import Generation
+from selfspec.engine.stats import DecodeStats
+from selfspec.errors import SelfSpecError
+from selfspec.eval.harness import rotated, warm_up
+from selfspec.eval.methods import Method
+from selfspec.eval.records import decode_record, read_jsonl, sample_row
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    out_path: Path
+    baseline: str = "autoregressive"
+    n_samples: int | None = None  # first n eval samples; None = all
+    warmup_tokens: int = 16
+
+
+def run_sample(method: Method, lm: LoadedModel, sample: Sample) -> tuple[Generation, list[str]]:
+    """Decode all turns of ``sample``; later turns follow the method's own earlier answers."""
+    messages: list[dict] = []
+    gens: list[Generation] = []
+    texts: list[str] = []
+    tokens: list[int] = []
+    for turn in sample.turns:
+        messages.append({"role": "user", "content": turn})
+        gen = method.generate(encode_chat(lm.tokenizer, messages))
+        text = lm.tokenizer.decode([t for t in gen.tokens if t not in lm.eos_ids], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": text})
+        gens.append(gen)
+        texts.append(text)
+        tokens.extend(gen.tokens)
+    return Generation(tokens, DecodeStats.merged([g.stats for g in gens])), texts
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def evaluate(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings: EvalSettings, header: dict,
+             on_sample: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Run every method on every eval sample (resuming a partial file); returns all rows."""
+    if not methods:
+        raise SelfSpecError("no methods to evaluate")
+    names = [m.name for m in methods]
+    if settings.baseline not in names:
+        raise SelfSpecError(f"the baseline {settings.baseline!r} is not among the methods {names}")
+    samples = list(tasks.eval[: settings.n_samples])
+    if not samples:
+        raise SelfSpecError(f"dataset {tasks.name!r} has no eval samples")
+    fingerprint = {
+        "model": lm.name, "dtype": lm.info.get("dtype"), "dataset": tasks.name,
+        "max_new_tokens": methods[0].cfg.max_new_tokens, "methods": names,
+        "decode": {m.name: decode_record(m.cfg) for m in methods},
+        "plans": {m.name: {"num_layers": m.plan.num_layers, "attn": m.plan.attn, "mlp": m.plan.mlp}
+                  for m in methods if m.plan is not None},
+        "method_info": {m.name: m.info for m in methods if m.info},
+    }
+    fingerprint = json.loads(json.dumps(fingerprint))  # the form it has when read back
+    path = settings.out_path
+    old_header, rows = read_jsonl(path)
+    if old_header is not None and old_header.get("fingerprint") != fingerprint:
+        raise SelfSpecError(
+            f"{path} holds results of another setting (model, dataset, methods, decoding or plan differ); "
+            "choose another output folder or delete the file to start over"
+        )
+    done: dict[str, set[str]] = {}
+    for r in rows:
+        done.setdefault(r["sample_id"], set()).add(r["method"])
+    todo = [s for s in samples if not set(names) <= done.get(s.id, set())]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if old_header is None:
+        head = {"type": "header", "fingerprint": fingerprint, "baseline": settings.baseline,
+                "extra_memory_bytes": {m.name: m.extra_memory_bytes for m in methods}, **header}
+        path.write_text(json.dumps(head) + "\n", encoding="utf-8")
+    elif todo:
+        print(f"resuming {path}: {len(samples) - len(todo)} of {len(samples)} samples already done", file=sys.stderr)
+    if todo:
+        warm = encode_chat(lm.tokenizer, [{"role": "user", "content": todo[0].turns[0]}])
+        warm_up({m.name: m.generate for m in methods}, warm, min(settings.warmup_tokens, methods[0].cfg.max_new_tokens))
+    bar = tqdm(todo, desc=f"{lm.name} / {tasks.name}", unit="sample", file=sys.stderr)
+    for i, sample in enumerate(bar):
+        new_rows = []
+        for m in rotated(methods, i):
+            gen, texts = run_sample(m, lm, sample)
+            new_rows.append(sample_row(sample, m.name, gen, texts))
+        new_rows.sort(key=lambda r: names.index(r["method"]))
+        for r in new_rows:
+            r["peak_rss_bytes"] = _peak_rss_bytes()
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in new_rows))
+        rows.extend(new_rows)
+        bar.set_postfix({r["method"][:12]: f"{r['tokens_per_s']:.1f}t/s" for r in new_rows})
+        if on_sample:
+            on_sample(new_rows)
+    return [r for r in rows if r["sample_id"] in {s.id for s in samples}]

@@ -1,0 +1,187 @@
+"""Paper-style tables from raw results (``python -m selfspec.tables`` writes them).
+
+Reads every ``samples.jsonl`` under ``--runs`` (written by
+``experiments/evaluate.py``) and writes, per experiment name (the first
+folder under ``--runs``), ``<name>.md``, ``<name>.tex`` and ``<name>.csv`` to
+``--tables``: one row per model x dataset x run variant x method with the
+sublayers the plan skips, acceptance rate, mean accepted length, tokens/s,
+speedup over the run's baseline and the share of samples whose output equals
+the baseline's. Figures (PNG, ``--figures``): speedup and acceptance versus
+the number of skipped sublayers, acceptance by draft position, and the
+search history of every Optuna study under ``--studies``. Every number is
+computed here from the raw rows; nothing is typed by hand.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from selfspec.eval.records import read_jsonl, summarize
+
+COLUMNS = ["model", "dataset", "variant", "method", "samples", "attn_skipped", "mlp_skipped", "k",
+           "acceptance_rate", "mean_accepted_length", "tokens_per_s", "speedup", "greedy_match", "ttft_s",
+           "tpot_s", "latency_p99_s", "extra_memory_mb"]
+COMPARED = ["autoregressive", "self_speculative", "hf_generate", "hf_prompt_lookup", "hf_assisted", "hf_early_exit"]
+HEADERS = {"model": "model", "dataset": "dataset", "variant": "run", "method": "method", "samples": "n",
+           "attn_skipped": "attn skip", "mlp_skipped": "MLP skip", "k": "k", "acceptance_rate": "accept",
+           "mean_accepted_length": "acc. len", "tokens_per_s": "tok/s", "speedup": "speedup",
+           "greedy_match": "match AR", "ttft_s": "TTFT s", "tpot_s": "TPOT s", "latency_p99_s": "P99 s",
+           "extra_memory_mb": "extra MB"}
+
+
+@dataclass
+class Run:
+    experiment: str
+    model: str
+    dataset: str
+    variant: str
+    header: dict
+    rows: list[dict]
+
+
+def load_runs(root: Path) -> list[Run]:
+    runs = []
+    for path in sorted(root.glob("**/samples.jsonl")):
+        header, rows = read_jsonl(path)
+        if header is None or not rows:
+            continue
+        rel = path.parent.relative_to(root).parts
+        variant = "/".join(rel[3:]) or "default"
+        runs.append(Run(rel[0], header["model"], header["dataset"], variant, header, rows))
+    return runs
+
+
+def table_rows(run: Run) -> list[dict]:
+    """One table row per method of one run, derived from its raw rows."""
+    fp = run.header["fingerprint"]
+    baseline = run.header.get("baseline", "autoregressive")
+    summary = summarize(run.rows, baseline)
+    out = []
+    for method in fp["methods"]:
+        if method not in summary:
+            continue
+        s = summary[method]
+        plan = fp.get("plans", {}).get(method)
+        out.append({
+            "model": run.model, "dataset": run.dataset, "variant": run.variant, "method": method,
+            "samples": s["samples"],
+            "attn_skipped": len(plan["attn"]) if plan else None,
+            "mlp_skipped": len(plan["mlp"]) if plan else None,
+            "k": fp["decode"][method]["k"] if plan else None,
+            "acceptance_rate": s["acceptance_rate"], "mean_accepted_length": s["mean_accepted_length"],
+            "tokens_per_s": s["tokens_per_s"], "speedup": s["speedup"],
+            "greedy_match": s["greedy_match"] if method != baseline else None,
+            "ttft_s": s["ttft_s"], "tpot_s": s["tpot_s"], "latency_p99_s": s["latency_p99_s"],
+            "extra_memory_mb": run.header.get("extra_memory_bytes", {}).get(method, 0) / 2**20,
+            "acceptance_by_position": s["acceptance_by_position"],
+        })
+    return out
+
+
+def _fmt(key: str, v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if key == "speedup":
+        return f"{v:.2f}x"
+    if key in ("acceptance_rate", "greedy_match", "mean_accepted_length", "tokens_per_s"):
+        return f"{v:.2f}"
+    if key in ("ttft_s", "tpot_s", "latency_p99_s"):
+        return f"{v:.3f}"
+    if key == "extra_memory_mb":
+        return f"{v:.0f}"
+    return str(v)
+
+
+def to_markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(HEADERS[c] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(c, r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def to_latex(rows: list[dict]) -> str:
+    def esc(s: str) -> str:
+        return s.replace("\\", "\\textbackslash{}").replace("_", "\\_").replace("%", "\\%").replace("&", "\\&")
+
+    lines = ["\\begin{tabular}{" + "l" * 4 + "r" * (len(COLUMNS) - 4) + "}", "\\toprule",
+             " & ".join(esc(HEADERS[c]) for c in COLUMNS) + " \\\\", "\\midrule"]
+    lines += [" & ".join(esc(_fmt(c, r[c])) for c in COLUMNS) + " \\\\" for r in rows]
+    lines += ["\\bottomrule", "\\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({c: ("" if r[c] is None else r[c]) for c in COLUMNS})
+    return buf.getvalue()
+
+
+def write_tables(runs: list[Run], out_dir: Path) -> dict[str, list[dict]]:
+    """Write ``<experiment>.{md,tex,csv}``; returns the rows per experiment."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    by_exp: dict[str, list[dict]] = {}
+    for run in runs:
+        by_exp.setdefault(run.experiment, []).extend(table_rows(run))
+    for name, rows in by_exp.items():
+        rows.sort(key=lambda r: (r["model"], r["dataset"], r["variant"]))
+        (out_dir / f"{name}.md").write_text(to_markdown(rows))
+        (out_dir / f"{name}.tex").write_text(to_latex(rows))
+        (out_dir / f"{name}.csv").write_text(to_csv(rows))
+    return by_exp
+
+
+def method_comparison(by_exp: dict[str, list[dict]], experiments: list[str]) -> list[dict]:
+    """Speedup of every method over the autoregressive run *of its own run*, side by side.
+
+    One row per model x dataset with a column per method, merged over the
+    listed experiments (each method's number comes from a run where it and
+    the autoregressive baseline decoded the same prompts in one process); a
+    later experiment's number replaces an earlier one's, and ``sources``
+    records which experiment each number came from.
+    """
+    cells: dict[tuple[str, str], dict] = {}
+    for name in experiments:
+        for r in by_exp.get(name, []):
+            if r["variant"] != "default":
+                continue
+            row = cells.setdefault((r["model"], r["dataset"]), {"model": r["model"], "dataset": r["dataset"]})
+            row[r["method"]] = r["speedup"]
+            row.setdefault("sources", {})[r["method"]] = name
+            if r["method"] == "autoregressive":
+                row.setdefault("ar_tokens_per_s", {})[name] = r["tokens_per_s"]
+            if r["method"] == "self_speculative":
+                row["self_speculative_match"] = r["greedy_match"]
+                row["self_speculative_acceptance"] = r["acceptance_rate"]
+    return [cells[k] for k in sorted(cells)]
+
+
+def write_method_comparison(rows: list[dict], methods: list[str], out: Path) -> None:
+    heads = ["model", "dataset", *methods, "acceptance (self_spec)", "match AR (self_spec)"]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    csv_lines = [",".join(heads)]
+    for r in rows:
+        vals = [r["model"], r["dataset"], *(_fmt("speedup", r.get(m)) for m in methods),
+                _fmt("acceptance_rate", r.get("self_speculative_acceptance")),
+                _fmt("greedy_match", r.get("self_speculative_match"))]
+        lines.append("| " + " | ".join(vals) + " |")
+        csv_lines.append(",".join(vals))
+    means = []
+    for m in methods:
+        xs = [r[m] for r in rows if r.get(m) is not None]
+        means.append(_fmt("speedup", sum(xs) / len(xs)) + f" (n={len(xs)})" if xs else "-")
+    lines.append("| mean over task sets | | " + " | ".join(means) + " | | |")
+    sources: dict[str, set[str]] = {}
+    for r in rows:
+        for m, name in r.get("sources", {}).items():
+            sources.setdefault(name, set()).add(m)
+    notes = [f"- from run `{name}` (over the autoregressive loop of that run): " + ", ".join(m for m in methods if m in ms) for name, ms in sorted(sources.items())]
+    out.with_suffix(".md").write_text(
+        "Speedup in wall-clock tokens/s over our autoregressive loop, measured in the same process "
+        "on the same prompts.\n\n" + "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n")
+    out.with_suffix(".csv").write_text("\n".join(csv_lines) + "\n")

@@ -1,0 +1,59 @@
+"""Plain mappings (a config group, a method's options) into typed, frozen settings.
+
+Entry points turn configs into plain dicts and hand them here; the dataclass
+holds each default (the YAML in ``conf/`` carries the same values, and a test
+checks that the two agree). A key the dataclass does not know is one clear
+error, not a silent no-op; nested dataclasses are built from nested mappings
+and lists become tuples where the field is a tuple.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, TypeVar
+
+from selfspec.errors import SelfSpecError
+
+T = TypeVar("T")
+
+
+def typed(cls: type[T], mapping: dict[str, Any] | None, where: str) -> T:
+    """``cls(**mapping)``, with nested dataclasses built too and unknown keys refused."""
+    mapping = dict(mapping or {})
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(mapping) - set(fields))
+    if unknown:
+        raise SelfSpecError(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in {where}; "
+                            f"known: {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in mapping.items():
+        hint = hints.get(name)
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            value = typed(hint, value, f"{where}.{name}")
+        elif typing.get_origin(hint) is tuple and isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise SelfSpecError(f"bad value in {where}: {e}") from None
+
+
+def defaults(cls: type) -> dict[str, Any]:
+    """The default of every field of ``cls`` (nested dataclasses as dicts, tuples as lists), as a YAML file writes them."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            continue
+        if dataclasses.is_dataclass(value):
+            value = dataclasses.asdict(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
