@@ -5,7 +5,7 @@
 Both methods come from the evaluation harness (``build_method``), decode the same
 *calibration* prompts (never eval rows) after a warm-up, alternating which goes first.
 Printed and appended as one JSON line to --out: total tokens/s of each, the median
-per-token latency after the first token, and with --profile the operators where each
+per-token latency, and with --profile the operators where each
 spends its CPU time (torch.profiler over one run each).
 """
 
@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
-from _calibration import calibration_prompts
 
 from selfspec.assets.models import load_model
+from selfspec.cli.config import calibration_prompts
 from selfspec.engine.decoding import DecodeConfig
+from selfspec.engine.stats import DecodeStats
+from selfspec.eval.harness import interleaved
 from selfspec.eval.methods import build_method
 from selfspec.provenance import git_commit
 
@@ -47,24 +48,12 @@ def main() -> None:
     prompts = calibration_prompts(lm.tokenizer, args.datasets, args.prompts)
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens)
     methods = {m: build_method(m, lm, cfg) for m in METHODS}
-    for m in methods.values():
-        m.generate(prompts[0], 8)  # warm-up
-    tokens = dict.fromkeys(METHODS, 0)
-    seconds = dict.fromkeys(METHODS, 0.0)
-    steps: dict[str, list[float]] = {m: [] for m in METHODS}
-    for rep in range(args.reps):
-        for i, ids in enumerate(prompts):
-            order = METHODS if (rep + i) % 2 == 0 else METHODS[::-1]
-            for name in order:
-                st = methods[name].generate(ids).stats
-                tokens[name] += st.new_tokens
-                seconds[name] += st.total_time
-                steps[name] += st.token_latencies[1:]
+    per_rep = interleaved({name: m.generate for name, m in methods.items()}, prompts, args.reps, warmup_tokens=8)
     res = {"model": args.model, "datasets": args.datasets, "prompts": len(prompts), "reps": args.reps,
            "max_new_tokens": args.max_new_tokens, "git_commit": git_commit()}
     for name in METHODS:
-        res[name] = {"tok_s": round(tokens[name] / seconds[name], 3),
-                     "median_step_ms": round(1e3 * statistics.median(steps[name]), 1)}
+        s = DecodeStats.merged(per_rep[name]).summary()
+        res[name] = {"tok_s": round(s["tokens_per_s"], 3), "median_token_latency_ms": round(1e3 * s["latency_p50_s"], 1)}
     res["hf_generate_over_ours"] = round(res["hf_generate"]["tok_s"] / res["autoregressive"]["tok_s"], 3)
     if args.profile:
         for name in METHODS:

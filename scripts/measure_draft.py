@@ -7,7 +7,7 @@ Each setting is a space-separated list of key=value: plan (a plan file, `empty`,
 for results/plans/<model>-default.json), weights (model|int8|int4), group (int4 group size),
 head (draft LM head tokens, 0 = full), ngram, copy (longest copy draft, 0 = k), k, adaptive (0|1), threshold.
 Prompts are the datasets' *calibration* samples (never the eval ones). AR and each setting
-run interleaved per prompt after a warm-up; the ratio of total tokens/s is printed and
+run interleaved per prompt after a warm-up (selfspec.eval.harness); the ratio of total tokens/s is printed and
 appended as one JSON line to --out.
 """
 
@@ -17,12 +17,13 @@ import argparse
 import json
 import time
 
-from _calibration import calibration_prompts
-
-from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
+from selfspec import DecodeConfig, DecodeStats, SkipPlan
 from selfspec.assets.models import load_model
+from selfspec.cli.config import calibration_prompts
 from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.eval.harness import interleaved, recording
 from selfspec.provenance import git_commit
+from selfspec.search.retime import plan_runner
 
 
 def parse(setting: str, model: str, num_layers: int) -> tuple[SkipPlan, DraftOptions, dict]:
@@ -60,21 +61,14 @@ def main() -> None:
         cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, k=int(kv.get("k", 3)),
                            adaptive=kv.get("adaptive", "0") == "1", threshold=float(kv.get("threshold", 0.5)),
                            fallback=False)
-        warm = DecodeConfig(max_new_tokens=8, k=cfg.k)
-        autoregressive(lm.model, prompts[0], warm, lm.eos_ids)
-        self_speculative(lm.model, prompts[0], plan, warm, lm.eos_ids, draft=path)
-        tot = {"ar_tokens": 0, "ar_time": 0.0, "sp_tokens": 0, "sp_time": 0.0, "drafted": 0, "accepted": 0,
-               "rounds": 0, "copy_rounds": 0, "draft_time": 0.0, "verify_time": 0.0, "match": 0}
-        for ids in prompts:
-            ar = autoregressive(lm.model, ids, cfg, lm.eos_ids)
-            sp = self_speculative(lm.model, ids, plan, cfg, lm.eos_ids, draft=path)
-            tot["ar_tokens"] += ar.stats.new_tokens
-            tot["ar_time"] += ar.stats.total_time
-            tot["sp_tokens"] += sp.stats.new_tokens
-            tot["sp_time"] += sp.stats.total_time
-            for key in ("drafted", "accepted", "rounds", "copy_rounds", "draft_time", "verify_time"):
-                tot[key] += getattr(sp.stats, key)
-            tot["match"] += int(sp.tokens == ar.tokens)
+        outputs: dict[str, list[list[int]]] = {"ar": [], "sp": []}
+        runs = {"ar": recording(plan_runner(lm.model, lm.eos_ids, None, cfg), outputs["ar"]),
+                "sp": recording(plan_runner(lm.model, lm.eos_ids, plan, cfg, draft=path), outputs["sp"])}
+        per_rep = interleaved(runs, prompts, reps=1, warmup_tokens=8)
+        ar, sp = (DecodeStats.merged(per_rep[name]) for name in ("ar", "sp"))
+        tot = {"ar_tokens": ar.new_tokens, "ar_time": ar.total_time, "sp_tokens": sp.new_tokens, "sp_time": sp.total_time,
+               **{key: getattr(sp, key) for key in ("drafted", "accepted", "rounds", "copy_rounds", "draft_time", "verify_time")},
+               "match": sum(a == b for a, b in zip(outputs["ar"], outputs["sp"]))}
         ar_tps = tot["ar_tokens"] / tot["ar_time"]
         sp_tps = tot["sp_tokens"] / tot["sp_time"]
         step = tot["ar_time"] / tot["ar_tokens"]

@@ -38,10 +38,10 @@ def _status_mb(field: str) -> int:
 
 
 def measure(model: str, mode: str, max_new_tokens: int) -> dict:
-    from _calibration import calibration_prompts
-
     from selfspec import DecodeConfig, SkipPlan
     from selfspec.assets.models import load_model
+    from selfspec.cli.config import calibration_prompts
+    from selfspec.eval.harness import warm_up
     from selfspec.eval.methods import build_method
     from selfspec.provenance import git_commit
 
@@ -52,8 +52,8 @@ def measure(model: str, mode: str, max_new_tokens: int) -> dict:
     methods = [build_method("autoregressive", lm, cfg), build_method("self_speculative", lm, cfg, plan, DRAFT)]
     row["built_mb"] = _rss()
     prompt = calibration_prompts(lm.tokenizer, ["humaneval"], 1)[0]
+    warm_up({m.name: m.generate for m in methods}, prompt, 8)
     for m in methods:
-        m.generate(prompt, 8)  # warm-up
         gen = m.generate(prompt)
         row[m.name] = {"extra_mb": round(m.extra_memory_bytes / 2**20),
                        "tok_s": round(gen.stats.summary()["tokens_per_s"], 2),

@@ -8,7 +8,7 @@ import torch
 from selfspec.assets.tiny import TINY_ARCHS, tiny_model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(arch: str, dtype: torch.dtype, vocab_size: int):
     return tiny_model(arch, dtype=dtype, vocab_size=vocab_size)
 

@@ -5,7 +5,7 @@ import torch
 from selfspec import DecodeConfig, SkipPlan, layer_skipper
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.cache import PositionalKVCache
-from selfspec.engine.decoding import _Run, _Speculator
+from selfspec.engine.decoding import Request, Speculator
 from tests.conftest import PROMPT
 
 
@@ -35,8 +35,8 @@ def test_skipped_attention_writes_nothing(model):
 def test_after_rounds_committed_slots_hold_full_model_values(make_model):
     model = make_model("llama", torch.float64)
     cfg = DecodeConfig(max_new_tokens=30, k=4, fallback=False)
-    run = _Run(model, PROMPT, cfg, (), "self_speculative", extra_slots=cfg.k + 1)
-    spec = _Speculator(run, DraftPath(model, SkipPlan(4, attn=(1,), mlp=(0, 2)), DraftOptions()))
+    run = Request(model, PROMPT, cfg, (), "self_speculative", extra_slots=cfg.k + 1)
+    spec = Speculator(run, DraftPath(model, SkipPlan(4, attn=(1,), mlp=(0, 2)), DraftOptions()))
     ptrs = [layer.keys.data_ptr() for layer in run.cache.layers]
     with torch.inference_mode():
         spec.start()

@@ -13,8 +13,8 @@ from hydra import compose, initialize_config_dir
 
 from selfspec import DecodeConfig, DecodeStats, SelfSpecError, SkipPlan
 from selfspec.assets.data import (
-    _keep_summarization,
-    _sharegpt_first_turns,
+    asks_for_summary,
+    sharegpt_first_turns,
     load_task_set,
 )
 from selfspec.cli.tables import main as tables_main
@@ -84,17 +84,17 @@ def test_sharegpt_parser_drops_the_truncated_tail(tmp_path):
     raw = json.dumps(convs)
     src = tmp_path / "sg.json"
     src.write_text(raw[: raw.rindex("{") + 20])  # cut inside the last conversation
-    rows = [json.loads(l) for l in _sharegpt_first_turns(src, tmp_path / "out.jsonl").read_text().splitlines()]
+    rows = [json.loads(l) for l in sharegpt_first_turns(src, tmp_path / "out.jsonl").read_text().splitlines()]
     assert rows == [{"id": "a", "text": "hi"}]
 
 
 def test_summarization_filter():
     body = "word " * 400
-    assert _keep_summarization({"text": "Summarize this article:\n" + body}, {})
-    assert _keep_summarization({"text": body + "\nPlease write a short summary."}, {})
-    assert not _keep_summarization({"text": "Summarize: short"}, {})
-    assert not _keep_summarization({"text": "Read this, don't summarize it yet.\n" + body}, {})
-    assert not _keep_summarization({"text": body[:800] + " summary " + body[:800]}, {})  # only in the middle
+    assert asks_for_summary({"text": "Summarize this article:\n" + body}, {})
+    assert asks_for_summary({"text": body + "\nPlease write a short summary."}, {})
+    assert not asks_for_summary({"text": "Summarize: short"}, {})
+    assert not asks_for_summary({"text": "Read this, don't summarize it yet.\n" + body}, {})
+    assert not asks_for_summary({"text": body[:800] + " summary " + body[:800]}, {})  # only in the middle
 
 
 @pytest.mark.integration

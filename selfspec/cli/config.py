@@ -14,6 +14,8 @@ from pathlib import Path
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.assets.data import load_task_set
+from selfspec.assets.models import encode_prompt
 from selfspec.draft.plan import SkipPlan
 from selfspec.engine.decoding import DecodeConfig
 from selfspec.engine.sampling import SamplingParams
@@ -38,6 +40,15 @@ def group_option(group: str, name: str) -> dict:
         options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
         raise SelfSpecError(f"no {group} config {name!r}; choose from {', '.join(options)}")
     return yaml.safe_load(path.read_text())
+
+
+def calibration_prompts(tokenizer, datasets: list[str], per_dataset: int) -> list[list[int]]:
+    """First turns of each task set's calibration split (never its eval rows), encoded, for measurement scripts."""
+    prompts = []
+    for name in datasets:
+        ts = load_task_set(group_option("dataset", name))
+        prompts += [encode_prompt(tokenizer, s.turns[0]) for s in ts.calibration[:per_dataset]]
+    return prompts
 
 
 def default_model() -> str:

@@ -45,7 +45,7 @@ def parse_layers(text: str | None) -> tuple[int, ...]:
         raise SelfSpecError(f"layer lists are comma-separated integers, got {text!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m selfspec.generate", description=__doc__)
     ap.add_argument("--model", default=default_model(),
                     help=f"packaged ({', '.join(MODELS)}), folder or hub id (default: conf/base.yaml's)")
@@ -64,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cache-dir", help="where packaged models are cached (default ~/.cache/selfspec)")
     ap.add_argument("--json", action="store_true", help="print one JSON line with both summaries at the end")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return _run(args)
     except SelfSpecError as e:

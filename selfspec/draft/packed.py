@@ -32,8 +32,8 @@ that the mapping, and the freed weights' pages, can go.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import nn

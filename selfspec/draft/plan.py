@@ -10,9 +10,10 @@ Nothing here touches a model; `selfspec.draft.skip` applies a plan.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from selfspec.errors import PlanError
 
@@ -77,7 +78,7 @@ class SkipPlan:
 
     # -- construction ------------------------------------------------------------
     @classmethod
-    def whole_layers(cls, num_layers: int, layers: Iterable[int], model: str | None = None) -> "SkipPlan":
+    def whole_layers(cls, num_layers: int, layers: Iterable[int], model: str | None = None) -> SkipPlan:
         """Skip both sublayers of each listed layer."""
         layers = tuple(layers)
         return cls(num_layers=num_layers, attn=layers, mlp=layers, model=model)
@@ -103,7 +104,7 @@ class SkipPlan:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SkipPlan":
+    def from_dict(cls, data: dict[str, Any]) -> SkipPlan:
         if data.get("format") != PLAN_FORMAT:
             raise PlanError(f"not a selfspec skip plan (format {data.get('format')!r}, expected {PLAN_FORMAT!r})")
         try:
@@ -126,7 +127,7 @@ class SkipPlan:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "SkipPlan":
+    def load(cls, path: str | Path) -> SkipPlan:
         path = Path(path)
         if not path.is_file():
             raise PlanError(f"no plan file at {path}")

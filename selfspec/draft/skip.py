@@ -13,8 +13,8 @@ calls the cache, so it writes nothing to the KV cache.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from torch import nn
 

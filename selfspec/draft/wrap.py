@@ -12,7 +12,8 @@ twice finds the wrapper already there. The per-model owner of those wrappers
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from torch import nn
 

@@ -1,7 +1,7 @@
 """Autoregressive and self-speculative decoding on one model and one cache.
 
-Both methods run through the same :class:`_Run`: the same forward call
-(:meth:`_Run.forward`, which seeks the cache and passes absolute positions
+Both methods run through the same :class:`Request`: the same forward call
+(:meth:`Request.forward`, which seeks the cache and passes absolute positions
 explicitly), the same token bookkeeping and the same :class:`Clock`. The
 autoregressive baseline is the loop of plain steps; self-speculative decoding
 replaces plain steps by rounds of ``draft k tokens with the plan's sublayers
@@ -119,8 +119,8 @@ def context_length(model) -> int | None:
     return getattr(cfg, "max_position_embeddings", None)
 
 
-class _Run:
-    """State of one generation request: cache, positions, tokens, stats."""
+class Request:
+    """State of one generation request: cache, positions, tokens, stats (both loops drive one; tests may too)."""
 
     def __init__(self, model, prompt_ids, cfg: DecodeConfig, eos_ids, method: str, extra_slots: int) -> None:
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
@@ -216,7 +216,7 @@ class _Run:
 
 def autoregressive(model, prompt_ids, cfg: DecodeConfig, eos_ids=()) -> Generation:
     """Plain decoding: one full-depth forward per new token."""
-    run = _Run(model, prompt_ids, cfg, eos_ids, "autoregressive", extra_slots=1)
+    run = Request(model, prompt_ids, cfg, eos_ids, "autoregressive", extra_slots=1)
     with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only):
         run.start()
         while not run.done:
@@ -224,10 +224,10 @@ def autoregressive(model, prompt_ids, cfg: DecodeConfig, eos_ids=()) -> Generati
     return run.finish()
 
 
-class _Speculator:
-    """Draft / verify rounds on top of a :class:`_Run`."""
+class Speculator:
+    """Draft / verify rounds on top of a :class:`Request`."""
 
-    def __init__(self, run: _Run, path: DraftPath) -> None:
+    def __init__(self, run: Request, path: DraftPath) -> None:
         self.run = run
         self.cfg = run.cfg
         self.path = path
@@ -354,8 +354,8 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
     elif draft.plan != plan or draft.model is not model:
         raise SelfSpecError("the draft path was built for another plan or model")
     longest = max(cfg.k, draft.options.copy_tokens if draft.options.ngram else 0)
-    run = _Run(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
-    spec = _Speculator(run, draft)
+    run = Request(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
+    spec = Speculator(run, draft)
     with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only):
         spec.start()
         while not run.done:

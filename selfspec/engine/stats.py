@@ -85,7 +85,7 @@ class DecodeStats:
         self.token_latencies.extend([elapsed / n] * n)
 
     @classmethod
-    def merged(cls, parts: list["DecodeStats"]) -> "DecodeStats":
+    def merged(cls, parts: list[DecodeStats]) -> DecodeStats:
         """One set of counters for several requests (the turns of one sample)."""
         out = cls(method=parts[0].method, requests=0)
         for p in parts:
@@ -108,7 +108,7 @@ class DecodeStats:
         return asdict(self)
 
     @classmethod
-    def from_counters(cls, counters: dict) -> "DecodeStats":
+    def from_counters(cls, counters: dict) -> DecodeStats:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in counters.items() if k in known})
 

@@ -15,7 +15,8 @@ its configured length), e.g. :meth:`selfspec.eval.methods.Method.generate`.
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Mapping, Sequence, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 from selfspec.engine.decoding import Generation
 from selfspec.engine.stats import DecodeStats
@@ -36,6 +37,18 @@ def warm_up(runs: Mapping[str, Runner], prompt: list[int], tokens: int) -> None:
     """One short run of each method: allocation, kernel selection and lazy packing happen here, untimed."""
     for run in runs.values():
         run(prompt, tokens)
+
+
+def recording(run: Runner, outputs: list[list[int]]) -> Runner:
+    """``run``, also appending the tokens of every full-length (not warm-up) call to ``outputs``."""
+
+    def rec(ids: list[int], max_new_tokens: int | None) -> Generation:
+        gen = run(ids, max_new_tokens)
+        if max_new_tokens is None:
+            outputs.append(gen.tokens)
+        return gen
+
+    return rec
 
 
 def interleaved(runs: Mapping[str, Runner], prompts: Sequence[list[int]], reps: int = 1,

@@ -11,8 +11,9 @@ and count new tokens the same way (EOS included, cut at ``max_new_tokens``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from selfspec.assets.models import LoadedModel, load_model
 from selfspec.draft.packed import weight_packer

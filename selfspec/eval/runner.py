@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from tqdm.auto import tqdm
 

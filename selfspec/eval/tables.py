@@ -180,7 +180,8 @@ def write_method_comparison(rows: list[dict], methods: list[str], out: Path) -> 
     for r in rows:
         for m, name in r.get("sources", {}).items():
             sources.setdefault(name, set()).add(m)
-    notes = [f"- from run `{name}` (over the autoregressive loop of that run): " + ", ".join(m for m in methods if m in ms) for name, ms in sorted(sources.items())]
+    notes = [f"- from run `{name}` (over the autoregressive loop of that run): " + ", ".join(m for m in methods if m in ms)
+             for name, ms in sorted(sources.items())]
     out.with_suffix(".md").write_text(
         "Speedup in wall-clock tokens/s over our autoregressive loop, measured in the same process "
         "on the same prompts.\n\n" + "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n")

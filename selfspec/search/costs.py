@@ -53,7 +53,7 @@ class CostModel:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CostModel":
+    def from_dict(cls, d: dict) -> CostModel:
         return cls(d["t_full"], d["t_attn"], d["t_mlp"], {int(k): v for k, v in d["t_verify"].items()}, d["num_layers"])
 
 

@@ -12,9 +12,9 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import optuna
 from tqdm.auto import tqdm
@@ -44,7 +44,7 @@ class RetimeSettings:
     top_n: int = 3
     reps: int = 3
     prompts: int = 2
-    max_new_tokens: int = 48
+    max_new_tokens: int = 32
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class SearchSettings:
     sampler: str = "tpe"
     objective: str = "predicted"
     k_max: int = 8
-    calibration_tokens: int = 32
+    calibration_tokens: int = 24
     min_skipped: int = 1
     max_skipped: int | None = None
     protect_first_last: bool = True
@@ -132,7 +132,8 @@ class _Progress:
         self.bar.update(1)
         try:
             best = study.best_trial
-            self.bar.set_postfix(best=f"{best.value:.3f}x", acc=f"{best.user_attrs.get('predicted_acceptance', float('nan')):.2f}",
+            acc = best.user_attrs.get("predicted_acceptance", float("nan"))
+            self.bar.set_postfix(best=f"{best.value:.3f}x", acc=f"{acc:.2f}",
                                  k=best.user_attrs.get("k"))
         except ValueError:
             pass
@@ -176,7 +177,8 @@ def search(
     plans_k = [(plan, t.user_attrs.get("k", 1)) for plan, t in tops]
     timed = retime(lm.model, calib_ids[: s.retime.prompts], plans_k, lm.eos_ids, s.retime.max_new_tokens, s.retime.reps)
     candidates = [
-        {"plan": p.describe(), "k": k, "predicted_speedup": t.value, "predicted_acceptance": t.user_attrs.get("predicted_acceptance"),
+        {"plan": p.describe(), "k": k, "predicted_speedup": t.value,
+         "predicted_acceptance": t.user_attrs.get("predicted_acceptance"),
          "measured_speedup": m["speedup"], "measured_acceptance": m["acceptance"]}
         for (p, t), (_, k), m in zip(tops, plans_k, timed)
     ]
@@ -219,7 +221,8 @@ def format_report(r: SearchReport) -> str:
         f"best plan   {r.plan.describe()}, k={r.k}",
         f"  attention layers skipped: {list(r.plan.attn)}",
         f"  MLP layers skipped:       {list(r.plan.mlp)}",
-        f"acceptance  calibration: predicted {r.calibration_acceptance_predicted:.3f}, measured {r.calibration_acceptance_measured:.3f}",
+        f"acceptance  calibration: predicted {r.calibration_acceptance_predicted:.3f}, "
+        f"measured {r.calibration_acceptance_measured:.3f}",
         f"            held-out:    predicted {r.heldout_acceptance_predicted:.3f}, measured {r.heldout_acceptance_measured:.3f}",
         f"speedup     predicted {r.predicted_speedup:.3f}x; measured {r.measured_speedup_calibration:.3f}x (calibration), "
         f"{r.measured_speedup_heldout:.3f}x (held-out)",

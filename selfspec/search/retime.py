@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from selfspec.draft.path import DraftPath
 from selfspec.draft.plan import SkipPlan
 from selfspec.engine.decoding import DecodeConfig, autoregressive, self_speculative
 from selfspec.eval.harness import Runner, interleaved, median_of, speedups
@@ -16,14 +17,14 @@ from selfspec.search.study import Evaluation
 AR = "autoregressive"
 
 
-def plan_runner(model, eos_ids, plan: SkipPlan | None, cfg: DecodeConfig) -> Runner:
-    """A harness runner: self-speculative with ``plan``, or autoregressive for ``None``."""
+def plan_runner(model, eos_ids, plan: SkipPlan | None, cfg: DecodeConfig, draft: DraftPath | None = None) -> Runner:
+    """A harness runner: self-speculative with ``plan`` (and ``draft``'s options), or autoregressive for ``None``."""
 
     def run(ids: list[int], max_new_tokens: int | None):
         c = cfg if max_new_tokens is None else replace(cfg, max_new_tokens=max_new_tokens)
         if plan is None:
             return autoregressive(model, ids, c, eos_ids)
-        return self_speculative(model, ids, plan, c, eos_ids)
+        return self_speculative(model, ids, plan, c, eos_ids, draft=draft)
 
     return run
 

@@ -13,9 +13,9 @@ re-run). A study remembers the model it was made for and refuses another.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import optuna
 from optuna.trial import TrialState
@@ -132,7 +132,8 @@ def run_search(
         study.optimize(trial_fn, n_trials=remaining, callbacks=callbacks or [], catch=())
 
 
-def top_plans(study: optuna.Study, space: SearchSpace, n: int, model: str | None = None) -> list[tuple[SkipPlan, optuna.trial.FrozenTrial]]:
+def top_plans(study: optuna.Study, space: SearchSpace, n: int,
+              model: str | None = None) -> list[tuple[SkipPlan, optuna.trial.FrozenTrial]]:
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     done.sort(key=lambda t: t.value, reverse=True)
     seen, out = set(), []

@@ -1,0 +1,33 @@
+"""The measurement scripts run from the repository root on a tiny model and append one JSON line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def test_measure_draft_appends_one_row_per_setting(tmp_path):
+    out = tmp_path / "draft.jsonl"
+    p = _script("measure_draft.py", "--model", "tiny-llama", "--datasets", "tiny", "--prompts", "2",
+                "--max-new-tokens", "12", "--setting", "plan=empty ngram=2 k=3", "--setting", "plan=empty k=2",
+                "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["setting"] for r in rows] == ["plan=empty ngram=2 k=3", "plan=empty k=2"]
+    assert all(r["prompts"] == 2 and r["speedup"] > 0 and r["identical"].endswith("/2") for r in rows)
+
+
+def test_ar_vs_hf_appends_one_row(tmp_path):
+    out = tmp_path / "ar.jsonl"
+    p = _script("ar_vs_hf.py", "--model", "tiny-llama", "--datasets", "tiny", "--reps", "2",
+                "--max-new-tokens", "8", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["autoregressive"]["tok_s"] > 0 and row["hf_generate"]["tok_s"] > 0
