@@ -14,8 +14,8 @@ from hydra import compose, initialize_config_dir
 from selfspec import DecodeConfig, DecodeStats, SelfSpecError, SkipPlan
 from selfspec.assets.data import (
     asks_for_summary,
-    sharegpt_first_turns,
     load_task_set,
+    sharegpt_first_turns,
 )
 from selfspec.cli.tables import main as tables_main
 from selfspec.eval.records import decode_record
