@@ -66,21 +66,17 @@ def main() -> None:
                 "sp": recording(plan_runner(lm.model, lm.eos_ids, plan, cfg, draft=path), outputs["sp"])}
         per_rep = interleaved(runs, prompts, reps=1, warmup_tokens=8)
         ar, sp = (DecodeStats.merged(per_rep[name]) for name in ("ar", "sp"))
-        tot = {"ar_tokens": ar.new_tokens, "ar_time": ar.total_time, "sp_tokens": sp.new_tokens, "sp_time": sp.total_time,
-               **{key: getattr(sp, key) for key in ("drafted", "accepted", "rounds", "copy_rounds", "draft_time", "verify_time")},
-               "match": sum(a == b for a, b in zip(outputs["ar"], outputs["sp"]))}
-        ar_tps = tot["ar_tokens"] / tot["ar_time"]
-        sp_tps = tot["sp_tokens"] / tot["sp_time"]
-        step = tot["ar_time"] / tot["ar_tokens"]
+        a, t = ar.summary(), sp.summary()
+        step = ar.total_time / ar.new_tokens  # seconds per AR token: the unit of the cost ratios below
+        match = sum(x == y for x, y in zip(outputs["ar"], outputs["sp"]))
         res = {
             "setting": setting, "model": args.model, "datasets": args.datasets, "prompts": len(prompts),
-            "max_new_tokens": args.max_new_tokens, "plan": plan.describe(), "ar_tok_s": round(ar_tps, 3),
-            "spec_tok_s": round(sp_tps, 3), "speedup": round(sp_tps / ar_tps, 3),
-            "acceptance": round(tot["accepted"] / max(tot["drafted"], 1), 3),
-            "tokens_per_round": round((tot["accepted"] + tot["rounds"]) / max(tot["rounds"], 1), 3),
-            "draft_step_over_ar_step": round(tot["draft_time"] / max(tot["drafted"], 1) / step, 3),
-            "verify_over_ar_step": round(tot["verify_time"] / max(tot["rounds"], 1) / step, 3),
-            "copy_rounds": tot["copy_rounds"], "identical": f"{tot['match']}/{len(prompts)}",
+            "max_new_tokens": args.max_new_tokens, "plan": plan.describe(), "ar_tok_s": round(a["tokens_per_s"], 3),
+            "spec_tok_s": round(t["tokens_per_s"], 3), "speedup": round(t["tokens_per_s"] / a["tokens_per_s"], 3),
+            "acceptance": round(t["acceptance_rate"], 3), "tokens_per_round": round(t["mean_accepted_length"], 3),
+            "draft_step_over_ar_step": round(sp.draft_time / max(sp.drafted, 1) / step, 3),
+            "verify_over_ar_step": round(sp.verify_time / max(sp.rounds, 1) / step, 3),
+            "copy_rounds": sp.copy_rounds, "identical": f"{match}/{len(prompts)}",
             "extra_mb": round(path.extra_bytes / 2**20), "build_s": round(build_s, 1), "git_commit": git_commit(),
         }
         print(json.dumps(res), flush=True)
