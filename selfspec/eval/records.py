@@ -75,6 +75,18 @@ def read_jsonl(path: Path) -> tuple[dict | None, list[dict]]:
     return header, rows
 
 
+def repair_torn_tail(path: Path) -> bool:
+    """Cut a partial last line (no closing newline) off ``path``; True when there was one."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return False
+    with open(path, "rb+") as f:
+        f.truncate(data.rfind(b"\n") + 1)
+    return True
+
+
 def decode_record(cfg: DecodeConfig) -> dict:
     """The decoding settings as a run's fingerprint records them.
 

@@ -28,7 +28,7 @@ from selfspec.engine.stats import DecodeStats
 from selfspec.errors import SelfSpecError
 from selfspec.eval.harness import rotated, warm_up
 from selfspec.eval.methods import Method
-from selfspec.eval.records import decode_record, read_jsonl, sample_row
+from selfspec.eval.records import decode_record, read_jsonl, repair_torn_tail, sample_row
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,12 @@ class EvalSettings:
     baseline: str = "autoregressive"
     n_samples: int | None = None  # first n eval samples; None = all
     warmup_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.n_samples is not None and (isinstance(self.n_samples, bool) or self.n_samples < 1):
+            raise SelfSpecError(f"n_samples must be >= 1 (or null for all), got {self.n_samples!r}")
+        if self.warmup_tokens < 0:
+            raise SelfSpecError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
 
 
 def run_sample(method: Method, lm: LoadedModel, sample: Sample) -> tuple[Generation, list[str]]:
@@ -66,6 +72,11 @@ def evaluate(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings: E
     if not methods:
         raise SelfSpecError("no methods to evaluate")
     names = [m.name for m in methods]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SelfSpecError(f"methods lists {', '.join(twice)} more than once; list each method once")
+    if methods[0].cfg.max_new_tokens < 1:
+        raise SelfSpecError(f"an evaluation run needs max_new_tokens >= 1, got {methods[0].cfg.max_new_tokens}")
     if settings.baseline not in names:
         raise SelfSpecError(f"the baseline {settings.baseline!r} is not among the methods {names}")
     samples = list(tasks.eval[: settings.n_samples])
@@ -81,6 +92,7 @@ def evaluate(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings: E
     }
     fingerprint = json.loads(json.dumps(fingerprint))  # the form it has when read back
     path = settings.out_path
+    repair_torn_tail(path)  # a kill mid-write leaves a partial last line: drop it before appending
     old_header, rows = read_jsonl(path)
     if old_header is not None and old_header.get("fingerprint") != fingerprint:
         raise SelfSpecError(

@@ -46,12 +46,26 @@ class RetimeSettings:
     prompts: int = 2
     max_new_tokens: int = 32
 
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "retime", "top_n", "reps", "prompts", "max_new_tokens")
+
 
 @dataclass(frozen=True)
 class HeldoutSettings:
     prompts: int = 4
     max_new_tokens: int = 32
     reps: int = 2
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "heldout", "prompts")
+        _at_least(self, 1, "heldout", "max_new_tokens", "reps")
+
+
+def _at_least(settings, lowest: int, where: str, *names: str) -> None:
+    for name in names:
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+            raise SelfSpecError(f"{where}.{name} must be an integer >= {lowest}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -76,8 +90,8 @@ class SearchSettings:
     def __post_init__(self) -> None:
         if self.objective not in ("predicted", "wallclock"):
             raise SelfSpecError(f"unknown objective {self.objective!r}; choose predicted or wallclock")
-        if self.n_trials < 1 or self.k_max < 1 or self.calibration_tokens < 2:
-            raise SelfSpecError("n_trials and k_max must be >= 1 and calibration_tokens >= 2")
+        _at_least(self, 1, "search", "n_trials", "k_max", "cost_reps")
+        _at_least(self, 2, "search", "calibration_tokens")
 
 
 @dataclass

@@ -1,0 +1,80 @@
+"""The evaluation runner and the search settings on bad input and after a crash (issue 15, first part)."""
+
+import json
+
+import pytest
+import yaml
+
+from selfspec import DecodeConfig, SelfSpecError
+from selfspec.assets.data import load_task_set
+from selfspec.assets.models import load_model
+from selfspec.cli.config import conf_dir
+from selfspec.eval.methods import build_method
+from selfspec.eval.records import summarize
+from selfspec.eval.runner import EvalSettings, evaluate
+from selfspec.search.pipeline import HeldoutSettings, RetimeSettings, SearchSettings
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model("tiny-llama", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return load_task_set(yaml.safe_load((conf_dir() / "dataset" / "tiny.yaml").read_text()))
+
+
+def _run(lm, tasks, path, n, methods=("autoregressive",), max_new_tokens=6):
+    cfg = DecodeConfig(max_new_tokens=max_new_tokens)
+    built = [build_method(m, lm, cfg) for m in methods]
+    return evaluate(lm, tasks, built, EvalSettings(path, n_samples=n, warmup_tokens=2), {"model": lm.name})
+
+
+def test_a_torn_last_line_is_dropped_before_resuming(lm, tasks, tmp_path):
+    path = tmp_path / "samples.jsonl"
+    _run(lm, tasks, path, 1)
+    with open(path, "a") as f:
+        f.write('{"type": "sample", "sample_id": "tiny/e1", "meth')  # killed mid-write
+    rows = _run(lm, tasks, path, 2)
+    lines = path.read_text().splitlines()
+    assert all(json.loads(line) for line in lines)  # every line is whole JSON again
+    assert len(lines) == 1 + 2 and len(rows) == 2
+    assert summarize(rows, "autoregressive")["autoregressive"]["samples"] == 2
+
+
+def test_a_method_listed_twice_is_refused(lm, tasks, tmp_path):
+    with pytest.raises(SelfSpecError, match="autoregressive more than once"):
+        _run(lm, tasks, tmp_path / "s.jsonl", 1, methods=("autoregressive", "autoregressive"))
+
+
+def test_zero_new_tokens_is_refused_before_anything_is_written(lm, tasks, tmp_path):
+    with pytest.raises(SelfSpecError, match="max_new_tokens >= 1"):
+        _run(lm, tasks, tmp_path / "s.jsonl", 1, max_new_tokens=0)
+    assert not (tmp_path / "s.jsonl").exists()
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_n_samples_must_be_positive(tmp_path, n):
+    with pytest.raises(SelfSpecError, match="n_samples must be >= 1"):
+        EvalSettings(tmp_path / "s.jsonl", n_samples=n)
+
+
+def test_an_unknown_method_option_is_one_clear_error(lm):
+    with pytest.raises(SelfSpecError, match="unknown key num_token in method_options.hf_prompt_lookup"):
+        build_method("hf_prompt_lookup", lm, DecodeConfig(), options={"num_token": 5})
+    with pytest.raises(SelfSpecError, match="takes no options"):
+        build_method("autoregressive", lm, DecodeConfig(), options={"k": 2})
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: RetimeSettings(top_n=0), "retime.top_n must be an integer >= 1"),
+    (lambda: RetimeSettings(reps=0), "retime.reps must be an integer >= 1"),
+    (lambda: RetimeSettings(prompts=0), "retime.prompts must be an integer >= 1"),
+    (lambda: HeldoutSettings(reps=0), "heldout.reps must be an integer >= 1"),
+    (lambda: SearchSettings(cost_reps=0), "search.cost_reps must be an integer >= 1"),
+    (lambda: SearchSettings(calibration_tokens=1), "search.calibration_tokens must be an integer >= 2"),
+])
+def test_search_settings_refuse_zero_counts(make, message):
+    with pytest.raises(SelfSpecError, match=message):
+        make()
