@@ -32,6 +32,14 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine_fingerprint() -> dict:
+    """What makes timings of one machine incomparable with another's: CPU, cores, threads, torch."""
+    import torch
+
+    return {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
 def provenance(extra: dict | None = None) -> dict:
     import torch
 

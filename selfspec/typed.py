@@ -51,9 +51,13 @@ def defaults(cls: type) -> dict[str, Any]:
             value = f.default_factory()
         else:
             continue
-        if dataclasses.is_dataclass(value):
-            value = dataclasses.asdict(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[f.name] = value
+        out[f.name] = _as_yaml(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value)
     return out
+
+
+def _as_yaml(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _as_yaml(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_yaml(v) for v in value]
+    return value

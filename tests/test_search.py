@@ -1,30 +1,38 @@
 """The plan search: deterministic objective, budget, warm starts, resume, CLI end to end."""
 
+import json
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import optuna
 import pytest
 
-from selfspec import SelfSpecError, SkipPlan
+from selfspec import DecodeConfig, SelfSpecError, SkipPlan, autoregressive
 from selfspec.assets.tiny import TINY_VOCAB, tiny_model
-from selfspec.search.costs import CostModel
-from selfspec.search.scoring import AgreementScorer, tokens_per_round
-from selfspec.search.space import SearchSpace
+from selfspec.draft.path import DraftOptions
+from selfspec.draft.spec import DraftSpec
+from selfspec.search.costs import CostModel, SublayerCosts
+from selfspec.search.simulate import RoundCounts, RoundSimulator
+from selfspec.search.space import DraftDims, SearchSpace
 from selfspec.search.study import (
     PredictedObjective,
     enqueue_warm_starts,
     finished,
     open_study,
     run_search,
+    top_drafts,
 )
 
 PROMPTS = [[5, 9, 12, 40, 41, 7], [8, 8, 30, 2 + 4, 77, 100, 3]]
-COSTS = CostModel(t_full=1.0, t_attn=0.01, t_mlp=0.02, t_verify={k: 1.0 + 0.01 * k for k in range(2, 6)}, num_layers=4)
+FORMATS = {"model": SublayerCosts(0.1, 0.1, 0.125), "int8": SublayerCosts(0.1, 0.05, 0.06),
+           "int4-g32": SublayerCosts(0.1, 0.03, 0.035), "int4-g128": SublayerCosts(0.1, 0.028, 0.033)}
+COSTS = CostModel(t_full=1.0, t_verify={m: 1.0 + 0.01 * m for m in range(2, 12)}, num_layers=4, draft=FORMATS,
+                  head={16384: 0.05, 32768: 0.03})
 
 
 @pytest.fixture(scope="module")
@@ -33,40 +41,66 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def scorer(tiny):
-    return AgreementScorer(tiny, PROMPTS, n_tokens=12, k_max=4)
+def simulator(tiny):
+    conts = [autoregressive(tiny, p, DecodeConfig(max_new_tokens=12)).tokens for p in PROMPTS]
+    return RoundSimulator(tiny, PROMPTS, conts)
 
 
-def test_tokens_per_round():
-    assert tokens_per_round([True, True, False, True], 2) == pytest.approx(1 + (2 + 1 + 0 + 1) / 4)
-    assert tokens_per_round([True] * 4, 8) == pytest.approx(1 + (4 + 3 + 2 + 1) / 4)
-    assert tokens_per_round([], 3) == 1.0
+def test_objective_is_deterministic_for_a_draft(tiny, simulator):
+    spec = DraftSpec(SkipPlan(4, attn=(1,), mlp=(2,)), DraftOptions(ngram=2), k=3)
+    obj = PredictedObjective(simulator, COSTS)
+    a, b = obj(spec), obj(spec)
+    conts = simulator.continuations
+    fresh = PredictedObjective(RoundSimulator(tiny, PROMPTS, conts), COSTS)(spec)
+    assert (a.value, a.acceptance) == (b.value, b.acceptance) == (fresh.value, fresh.acceptance)
+    assert obj(DraftSpec(SkipPlan(4), k=3)).acceptance == 1.0  # fp32: the full model agrees with its own continuation
 
 
-def test_objective_is_deterministic_for_a_plan(tiny, scorer):
-    plan = SkipPlan(4, attn=(1,), mlp=(2,))
-    obj = PredictedObjective(scorer, COSTS)
-    a, b = obj(plan), obj(plan)
-    fresh = PredictedObjective(AgreementScorer(tiny, PROMPTS, n_tokens=12, k_max=4), COSTS)(plan)
-    assert (a.value, a.k, a.agreement) == (b.value, b.k, b.agreement) == (fresh.value, fresh.k, fresh.agreement)
-    empty = scorer.score(SkipPlan(4))
-    assert empty.agreement == 1.0  # fp32: the full model agrees with its own continuation
+def test_predicted_time_formula():
+    spec = DraftSpec(SkipPlan(4, attn=(1, 2), mlp=(1,)), DraftOptions(weights="int8", head_tokens=16384), k=3)
+    counts = RoundCounts(tokens=20, plain_steps=1, model_rounds=Counter({3: 4, 1: 2}), copy_rounds=Counter({5: 1}),
+                         drafted=19, accepted=12)
+    step = 0.1 + (4 - 2) * 0.05 + (4 - 1) * 0.06 - 0.05
+    want = 1 * 1.0 + 4 * (3 * step + 1.04) + 2 * (1 * step + 1.02) + 1 * 1.06
+    assert COSTS.step_time(spec) == pytest.approx(step)
+    assert COSTS.time(counts, spec) == pytest.approx(want)
+    assert COSTS.predicted_speedup(counts, spec) == pytest.approx(20 * 1.0 / want)
+    assert CostModel.from_dict(COSTS.to_dict()) == COSTS
 
 
-def test_predicted_speedup_formula():
-    from selfspec.search.scoring import PlanScore
+def test_space_round_trip_and_fixed_dimensions():
+    space = SearchSpace(6)
+    spec = DraftSpec(SkipPlan(6, attn=(1, 4), mlp=(2,)), DraftOptions(weights="int4", group_size=128, head_tokens=16384,
+                                                                       ngram=3, copy_tokens=10), k=4, adaptive=True,
+                     threshold=0.4)
+    assert space.spec_of(space.params_of(spec)) == spec
+    fixed = SearchSpace(6, dims=DraftDims(weights=("model",), k=(2,), adaptive=(False,), ngram=(0,)))
+    params = fixed.params_of(DraftSpec(SkipPlan(6, attn=(2,)), k=2))
+    assert {"weights", "k", "adaptive", "ngram"}.isdisjoint(params)  # a fixed dimension is no Optuna parameter
+    assert fixed.spec_of(params).options.weights == "model" and fixed.spec_of(params).k == 2
+    with pytest.raises(SelfSpecError, match="outside the space"):
+        fixed.params_of(DraftSpec(SkipPlan(6), k=5))
 
-    plan = SkipPlan(4, attn=(1, 2), mlp=(1,))
-    score = PlanScore(agreement=0.5, tokens_per_round={1: 1.5, 2: 1.8})
-    t_draft = 1.0 - 2 * 0.01 - 0.02
-    want = max((1.5 / (1 * t_draft + COSTS.t_verify[2]), 1), (1.8 / (2 * t_draft + COSTS.t_verify[3]), 2))
-    assert COSTS.predicted_speedup(plan, score) == pytest.approx(want)
+
+def test_a_study_on_another_machine_is_rescored_from_its_round_counts(tmp_path, simulator):
+    space = SearchSpace(4, dims=DraftDims(head_tokens=(0,), threshold=(0.4,), group_size=(32,)))
+    study = open_study(tmp_path / "s.db", "m", "tiny", "random", 0)
+    run_search(study, space, PredictedObjective(simulator, COSTS), n_trials=12)
+    slow_verify = CostModel.from_dict({**COSTS.to_dict(), "t_verify": {str(m): 3.0 for m in range(2, 12)}})
+    here = top_drafts(study, space, 12)
+    there = top_drafts(study, space, 12, costs=slow_verify)
+    assert {r.trial.number for r in here} == {r.trial.number for r in there}
+    for r in there:
+        counts = RoundCounts.from_dict(r.trial.user_attrs["counts"])
+        assert r.value == pytest.approx(slow_verify.predicted_speedup(counts, r.spec))
+        assert r.value < r.trial.value  # a dearer verify pass makes every draft slower
+    assert [r.value for r in there] == sorted((r.value for r in there), reverse=True)
 
 
-def test_budget_enforced(tmp_path, scorer):
-    space = SearchSpace(4, min_skipped=2, max_skipped=3, protect_first_last=False)
+def test_budget_enforced(tmp_path, simulator):
+    space = SearchSpace(4, min_skipped=2, max_skipped=3, protect_first_last=False, dims=DraftDims(group_size=(32,)))
     study = open_study(tmp_path / "s.db", "b", "tiny", "random", 0)
-    run_search(study, space, PredictedObjective(scorer, COSTS), n_trials=25)
+    run_search(study, space, PredictedObjective(simulator, COSTS), n_trials=25)
     complete = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
     assert complete and all(2 <= t.user_attrs["n_skipped"] <= 3 for t in complete)
     assert finished(study) == 25
@@ -78,21 +112,22 @@ def test_budget_that_allows_no_plan(kwargs):
         SearchSpace(4, **kwargs).check()
 
 
-def test_enqueued_plans_run_first(tmp_path, scorer):
-    space = SearchSpace(4)
-    warm = [SkipPlan(4, attn=(1,)), SkipPlan(4, mlp=(1, 2))]
+def test_enqueued_drafts_run_first(tmp_path, simulator):
+    space = SearchSpace(4, dims=DraftDims(group_size=(32,)))
+    warm = [DraftSpec(SkipPlan(4, attn=(1,)), DraftOptions(weights="int8"), k=2),
+            DraftSpec(SkipPlan(4, mlp=(1, 2)), DraftOptions(ngram=2, copy_tokens=10), k=3)]
     study = open_study(tmp_path / "s.db", "w", "tiny", "tpe", 0)
     assert enqueue_warm_starts(study, space, warm) == 2
-    run_search(study, space, PredictedObjective(scorer, COSTS), n_trials=4)
+    run_search(study, space, PredictedObjective(simulator, COSTS), n_trials=4)
     trials = study.get_trials()
-    assert [space.plan_of(t.params) for t in trials[:2]] == [SkipPlan(4, attn=(1,)), SkipPlan(4, mlp=(1, 2))]
+    assert [space.spec_of(t.params) for t in trials[:2]] == warm
     with pytest.raises(Exception, match="made for a 6-layer"):
-        enqueue_warm_starts(open_study(tmp_path / "s2.db", "w2", "tiny", "tpe", 0), space, [SkipPlan(6)])
+        enqueue_warm_starts(open_study(tmp_path / "s2.db", "w2", "tiny", "tpe", 0), space, [DraftSpec(SkipPlan(6))])
 
 
-def test_interrupted_search_resumes_with_no_trial_lost(tmp_path, scorer):
-    space = SearchSpace(4)
-    obj = PredictedObjective(scorer, COSTS)
+def test_interrupted_search_resumes_with_no_trial_lost(tmp_path, simulator):
+    space = SearchSpace(4, dims=DraftDims(group_size=(32,)))
+    obj = PredictedObjective(simulator, COSTS)
     study = open_study(tmp_path / "s.db", "r", "tiny", "tpe", 0)
 
     def stop_after_three(study, trial):
@@ -141,12 +176,13 @@ def test_cli_end_to_end_with_offline_wandb(tmp_path):
     proc = _cli(tmp_path, "logger=wandb", f"logger.dir={tmp_path}/wandb")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
-    assert "best plan" in out and "measured" in out
-    plan_file = tmp_path / "plans" / "tiny-llama-default.json"
-    plan = SkipPlan.load(plan_file)
-    assert plan.num_layers == 4 and plan.n_skipped >= 1
-    prov = plan.provenance
-    assert prov["model"] == "tiny-llama" and "measured_speedup" in prov and "versions" in prov
+    assert "best draft" in out and "measured" in out
+    spec = DraftSpec.load(tmp_path / "plans" / "tiny-llama-default.json")
+    assert spec.plan.num_layers == 4 and spec.k in (1, 2, 3)
+    prov = spec.plan.provenance
+    assert prov["model"] == "tiny-llama" and "versions" in prov and prov["cost_model"]["machine"]["cpu"]
+    assert {"calibration", "heldout", "predicted_speedup"} <= set(spec.measured)
+    assert spec.measured["calibration"]["measured"]["speedup"] > 0
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
 
@@ -190,3 +226,30 @@ def test_resume_with_other_calibration_refused(tmp_path):
     proc = _cli(tmp_path, "logger=none", "search.n_trials=3", "search.calibration_tokens=10")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "other calibration prompts or settings" in err
+
+
+def test_cli_remeasures_costs_on_another_machine_and_says_so(tmp_path):
+    assert _cli(tmp_path, "logger=none", "search.n_trials=3").wait(timeout=300) == 0
+    calib = tmp_path / "optuna" / "study.calibration.json"
+    saved = json.loads(calib.read_text())
+    saved["costs"]["machine"]["cpu"] = "another CPU"
+    calib.write_text(json.dumps(saved))
+    out, err = _cli(tmp_path, "logger=none", "search.n_trials=3").communicate(timeout=300)
+    assert "cost model re-measured on this machine" in out and "another CPU" in out, err
+    assert json.loads(calib.read_text())["costs"]["machine"]["cpu"] != "another CPU"
+
+
+@pytest.mark.parametrize("override, message", [("search.max_skipped=2", "searched another space"),
+                                               ("search.objective=wallclock", "was scored by objective")])
+def test_cli_refuses_to_resume_under_other_scoring_settings(tmp_path, override, message):
+    assert _cli(tmp_path, "logger=none", "search.n_trials=2").wait(timeout=300) == 0
+    _, err = _cli(tmp_path, "logger=none", "search.n_trials=3", override).communicate(timeout=300)
+    assert message in err
+
+
+def test_a_study_of_the_older_format_is_refused(tmp_path):
+    study = open_study(tmp_path / "optuna" / "study.db", "tiny-llama-default", "tiny-llama", "tpe", 0)
+    study.enqueue_trial({"attn_1": 1})
+    study.tell(study.ask(), 1.0)
+    _, err = _cli(tmp_path, "logger=none", "search.n_trials=3").communicate(timeout=300)
+    assert "made by an older selfspec" in err

@@ -9,6 +9,7 @@ sets reaches the library as a frozen dataclass built by
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import yaml
@@ -17,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec.assets.data import load_task_set
 from selfspec.assets.models import encode_prompt
 from selfspec.draft.plan import SkipPlan
+from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig
 from selfspec.engine.sampling import SamplingParams
 from selfspec.errors import SelfSpecError
@@ -68,13 +70,25 @@ def search_settings(cfg: DictConfig) -> SearchSettings:
     return typed(SearchSettings, {**plain(cfg.search), "seed": cfg.seed, "plans_dir": cfg.plans_dir}, "search")
 
 
-def decode_config(cfg: DictConfig, dataset_max_new: int, plan: SkipPlan | None) -> DecodeConfig:
-    """``cfg.decoding`` as :class:`DecodeConfig`: ``max_new_tokens: null`` takes the dataset's, ``k: null`` the plan's."""
+def decode_config(cfg: DictConfig, dataset_max_new: int, spec: DraftSpec | None) -> DecodeConfig:
+    """``cfg.decoding`` as :class:`DecodeConfig`. ``max_new_tokens: null`` takes the dataset's; ``k``,
+    ``adaptive`` and ``threshold`` null take the draft file's (the defaults without one)."""
     d = plain(cfg.decoding)
     sampling = typed(SamplingParams, {key: d.pop(key) for key in ("temperature", "top_k", "top_p") if key in d},
                      "decoding")
     if d.get("max_new_tokens") is None:
         d["max_new_tokens"] = dataset_max_new
-    if d.get("k") is None:
-        d["k"] = int((plan.provenance or {}).get("k", DecodeConfig.k)) if plan is not None else DecodeConfig.k
+    policy = spec or DraftSpec(SkipPlan(1))
+    for key in ("k", "adaptive", "threshold"):
+        if d.get(key) is None:
+            d[key] = getattr(policy, key)
     return typed(DecodeConfig, {**d, "sampling": sampling}, "decoding")
+
+
+def draft_options(spec: DraftSpec, overrides: dict | None) -> dict:
+    """The draft file's options with the keys a config sets (``method_options.self_speculative``) on top."""
+    known = dataclasses.asdict(spec.options)
+    unknown = sorted(set(overrides or {}) - set(known))
+    if unknown:
+        raise SelfSpecError(f"unknown key {', '.join(unknown)} in method_options.self_speculative; known: {', '.join(known)}")
+    return {**known, **(overrides or {})}

@@ -25,8 +25,9 @@ from omegaconf import DictConfig
 from selfspec import SelfSpecError, SkipPlan
 from selfspec.assets.data import load_task_set
 from selfspec.assets.models import load_model
-from selfspec.cli.config import conf_dir, decode_config, plain
+from selfspec.cli.config import conf_dir, decode_config, draft_options, plain
 from selfspec.cli.wandb_logger import WandbLogger
+from selfspec.draft.spec import DraftSpec
 from selfspec.eval.methods import build_method
 from selfspec.eval.records import summarize
 from selfspec.eval.runner import EvalSettings, evaluate
@@ -39,19 +40,22 @@ TABLE_COLUMNS = ["sample_id", "method", "turns", "prompt_tokens", "new_tokens", 
 def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
     tasks = load_task_set(plain(cfg.dataset), cfg.model.cache_dir)
     methods = list(cfg.methods)
-    plan = None
+    spec = None
     lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)
     if "self_speculative" in methods and cfg.plan == "empty":  # draft = every sublayer, cheaper weights/head
-        plan = SkipPlan(lm.num_layers, model=lm.name)
+        spec = DraftSpec(SkipPlan(lm.num_layers, model=lm.name))
     elif "self_speculative" in methods:
         plan_path = Path(cfg.plan)
         if not plan_path.is_file():
-            raise SelfSpecError(f"no skip plan at {plan_path}: run `python -m selfspec.search model={cfg.model.name}` "
+            raise SelfSpecError(f"no draft file at {plan_path}: run `python -m selfspec.search model={cfg.model.name}` "
                                 "first, or set plan=<file> (or plan=empty)")
-        plan = SkipPlan.load(plan_path)
-        logger.artifact(plan_path, f"plan-{plan_path.stem}", "skip-plan")
-    dcfg = decode_config(cfg, tasks.max_new_tokens, plan)
+        spec = DraftSpec.load(plan_path)
+        logger.artifact(plan_path, f"draft-{plan_path.stem}", "draft")
+    plan = spec.plan if spec is not None else None
+    dcfg = decode_config(cfg, tasks.max_new_tokens, spec)
     options = plain(cfg.method_options)
+    if spec is not None:
+        options["self_speculative"] = draft_options(spec, options.get("self_speculative"))
     built = [build_method(m, lm, dcfg, plan, options.get(m)) for m in methods]
     resolved = plain(cfg)
     header = {"provenance": provenance({"config": resolved, "model_source": lm.source}),

@@ -15,25 +15,30 @@ from pathlib import Path
 from selfspec.assets.models import MODELS, encode_prompt, load_model
 from selfspec.cli.config import default_model
 from selfspec.draft.plan import SkipPlan
+from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig
 from selfspec.engine.sampling import SamplingParams
 from selfspec.errors import SelfSpecError
 from selfspec.eval.harness import warm_up
-from selfspec.search.retime import plan_runner
+from selfspec.search.retime import plan_runner, spec_runner
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
 
-def default_plan(model_name: str, num_layers: int) -> tuple[SkipPlan, str]:
-    """The searched plan in results/plans/ when there is one, else a simple middle-layer plan."""
-    found = Path("results/plans") / f"{model_name}-default.json"
-    if found.is_file():
-        plan = SkipPlan.load(found)
-        if plan.num_layers == num_layers:
-            return plan, str(found)
+PLAN_DIRS = ("outputs/plans", "results/plans")  # your own searches first, then the committed ones
+
+
+def default_draft(model_name: str, num_layers: int) -> tuple[DraftSpec, str]:
+    """The searched draft for the model (your own search's, else the committed one), else a simple heuristic."""
+    for folder in PLAN_DIRS:
+        found = Path(folder) / f"{model_name}-default.json"
+        if found.is_file():
+            spec = DraftSpec.load(found)
+            if spec.plan.num_layers == num_layers:
+                return spec, str(found)
     lo, hi = num_layers // 4, (3 * num_layers) // 4
     plan = SkipPlan(num_layers, attn=tuple(range(lo, hi, 2)), model=model_name)
-    return plan, "heuristic: attention of every other middle layer (run python -m selfspec.search for a real plan)"
+    return DraftSpec(plan), "heuristic: attention of every other middle layer (run python -m selfspec.search for a real draft)"
 
 
 def parse_layers(text: str | None) -> tuple[int, ...]:
@@ -50,12 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=default_model(),
                     help=f"packaged ({', '.join(MODELS)}), folder or hub id (default: conf/base.yaml's)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    ap.add_argument("--plan", help="skip plan JSON (default: results/plans/<model>-default.json, else a heuristic)")
+    ap.add_argument("--plan", help="draft (or skip plan) JSON; default: <model>-default.json in outputs/plans, "
+                                   "then results/plans, else a heuristic")
     ap.add_argument("--skip-attn", help="comma-separated attention layers to skip (instead of --plan)")
     ap.add_argument("--skip-mlp", help="comma-separated MLP layers to skip (instead of --plan)")
     ap.add_argument("--k", type=int, default=None,
-                    help="draft tokens per round, maximum when --adaptive (default: the plan's searched k, else 4)")
-    ap.add_argument("--adaptive", action="store_true", help="adaptive draft exit on low draft confidence")
+                    help="draft tokens per round, maximum when adaptive (default: the draft file's k)")
+    ap.add_argument("--adaptive", action="store_true", default=None,
+                    help="adaptive draft exit on low draft confidence (default: as the draft file says)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0)
@@ -80,20 +87,20 @@ def _run(args) -> int:
     lm = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
     if args.skip_attn or args.skip_mlp:
         plan = SkipPlan(lm.num_layers, parse_layers(args.skip_attn), parse_layers(args.skip_mlp), model=args.model)
-        plan_src = "command line"
+        spec, plan_src = DraftSpec(plan), "command line"
     elif args.plan:
-        plan, plan_src = SkipPlan.load(args.plan), args.plan
+        spec, plan_src = DraftSpec.load(args.plan), args.plan
     else:
-        plan, plan_src = default_plan(args.model, lm.num_layers)
+        spec, plan_src = default_draft(args.model, lm.num_layers)
+    spec = spec.replace(k=args.k if args.k is not None else spec.k,
+                        adaptive=args.adaptive if args.adaptive is not None else spec.adaptive)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    k = args.k if args.k is not None else int(plan.provenance.get("k", DecodeConfig.k))
-    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, k=k, adaptive=args.adaptive,
-                       sampling=sampling, seed=args.seed)
+    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     ids = encode_prompt(lm.tokenizer, args.prompt)
     print(f"model {args.model} ({lm.num_layers} layers, {lm.info['dtype']}), prompt {len(ids)} tokens")
-    print(f"plan  {plan.describe()}, k={k}  [{plan_src}]")
+    print(f"draft {spec.describe()}  [{plan_src}]")
     runs = {"autoregressive": plan_runner(lm.model, lm.eos_ids, None, cfg),
-            "self_speculative": plan_runner(lm.model, lm.eos_ids, plan, cfg)}
+            "self_speculative": spec_runner(lm.model, lm.eos_ids, spec, cfg)}
     warm_up(runs, ids, 4)  # neither timing pays first-call costs
     ar, sp = (run(ids, None) for run in runs.values())
     a, s = ar.stats.summary(), sp.stats.summary()

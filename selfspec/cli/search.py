@@ -45,8 +45,8 @@ def main(cfg: DictConfig) -> None:
         report = search(lm, prompts, settings, on_trial=_on_trial(logger),
                         extra_provenance={"config": plain(cfg)})
         print(format_report(report))
-        logger.summary({k: v for k, v in report.to_dict().items() if k not in ("plan", "candidates")})
-        logger.artifact(report.plan_path, f"plan-{Path(report.plan_path).stem}", "skip-plan")
+        logger.summary({k: v for k, v in report.to_dict().items() if k not in ("draft", "candidates", "ablation")})
+        logger.artifact(report.plan_path, f"draft-{Path(report.plan_path).stem}", "draft")
         logger.finish()
     except SelfSpecError as e:
         if logger:

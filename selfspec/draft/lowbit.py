@@ -41,27 +41,36 @@ def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
 
 
 class LowPrecisionLinear(LinearWrapper):
-    """An ``nn.Linear`` (or its PackedLinear) with a weight-only quantized copy used while ``active``."""
+    """An ``nn.Linear`` (or its PackedLinear) with a weight-only quantized copy used while ``active``.
+
+    Copies are kept per format, so that switching a model's draft between formats (as a search
+    does from trial to trial) quantizes each weight once per format; only the copy in use counts
+    as extra memory (:attr:`extra_bytes`), the others are held in :attr:`kept_bytes`.
+    """
 
     def __init__(self, inner: nn.Module, weights: str, group_size: int) -> None:
         super().__init__(inner)
         self.kind, self.group = "", 0
+        self.copies: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.configure(weights, group_size)
 
     def configure(self, weights: str, group_size: int) -> None:
-        """(Re)build the quantized copy unless it already has this format."""
-        if (self.kind, self.group) == (weights, group_size) or (self.kind == weights == "int8"):
-            return
-        self.kind, self.group = weights, group_size
-        w = self.inner.weight.detach()
-        if weights == "int8":
-            self.qweight, self.qscale = _quantize_int8(w)
-        else:
-            self.qweight, self.qscale = _quantize_int4(w, group_size)
+        """Use the copy in this format, quantizing the weight on first use."""
+        key = (weights, 0 if weights == "int8" else group_size)
+        if key not in self.copies:
+            w = self.inner.weight.detach()
+            self.copies[key] = _quantize_int8(w) if weights == "int8" else _quantize_int4(w, group_size)
+        self.kind, self.group = key
+        self.qweight, self.qscale = self.copies[key]
 
     @property
     def extra_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.qscale))
+
+    @property
+    def kept_bytes(self) -> int:
+        """All copies held, the one in use included."""
+        return sum(t.numel() * t.element_size() for pair in self.copies.values() for t in pair)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active:

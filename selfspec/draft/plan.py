@@ -21,6 +21,8 @@ PLAN_FORMAT = "selfspec.skip_plan/1"
 
 
 def _indices(values: Iterable[int], what: str) -> tuple[int, ...]:
+    if not isinstance(values, (list, tuple)):
+        raise PlanError(f"{what} must be a list of layer indices, got {values!r}")
     out = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int):
@@ -105,13 +107,15 @@ class SkipPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SkipPlan:
+        if not isinstance(data, dict):
+            raise PlanError(f"not a selfspec skip plan: a JSON object was expected, got {type(data).__name__}")
         if data.get("format") != PLAN_FORMAT:
             raise PlanError(f"not a selfspec skip plan (format {data.get('format')!r}, expected {PLAN_FORMAT!r})")
         try:
             return cls(
                 num_layers=data["num_layers"],
-                attn=tuple(data.get("attn", ())),
-                mlp=tuple(data.get("mlp", ())),
+                attn=data.get("attn", ()),
+                mlp=data.get("mlp", ()),
                 model=data.get("model"),
                 provenance=dict(data.get("provenance") or {}),
             )

@@ -224,6 +224,27 @@ def autoregressive(model, prompt_ids, cfg: DecodeConfig, eos_ids=()) -> Generati
     return run.finish()
 
 
+class AdaptiveThreshold:
+    """The adaptive draft exit's threshold: up by ``step`` after a round while the running
+    acceptance is under ``target``, down otherwise (Draft & Verify). The decoding loop and the
+    search's round simulator (:mod:`selfspec.search.simulate`) both use this one rule."""
+
+    def __init__(self, cfg: DecodeConfig) -> None:
+        self.value = cfg.threshold
+        self.step, self.target, self.on = cfg.threshold_step, cfg.target_acceptance, cfg.adaptive
+        self.ema_acceptance: float | None = None
+
+    def stops_after(self, confidence: float) -> bool:
+        """Whether drafting stops after a token drafted with this probability."""
+        return self.on and confidence < self.value
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.ema_acceptance = _ema(self.ema_acceptance, accepted / drafted)
+        if self.on:
+            up = self.ema_acceptance < self.target
+            self.value = min(0.99, max(0.0, self.value + (self.step if up else -self.step)))
+
+
 class Speculator:
     """Draft / verify rounds on top of a :class:`Request`."""
 
@@ -232,8 +253,7 @@ class Speculator:
         self.cfg = run.cfg
         self.path = path
         self.ngram = NGramIndex(path.options.ngram) if path.options.ngram else None
-        self.threshold = self.cfg.threshold
-        self.ema_acceptance: float | None = None
+        self.threshold = AdaptiveThreshold(self.cfg)
         self.ema_tokens: float | None = None
         self.ema_verify: float | None = None
         self.ema_round: float | None = None
@@ -279,7 +299,7 @@ class Speculator:
                     qs.append(q)
                     conf = float(q.max())
                 drafts.append(x)
-                if self.cfg.adaptive and conf < self.threshold:
+                if self.threshold.stops_after(conf):
                     break
         return drafts, qs
 
@@ -320,11 +340,7 @@ class Speculator:
 
     def adapt(self, drafted: int, accepted: int, verify_time: float, round_time: float) -> None:
         ema = _ema
-        self.ema_acceptance = ema(self.ema_acceptance, accepted / drafted)
-        if self.cfg.adaptive:
-            step = self.cfg.threshold_step
-            up = self.ema_acceptance < self.cfg.target_acceptance
-            self.threshold = min(0.99, max(0.0, self.threshold + (step if up else -step)))
+        self.threshold.update(drafted, accepted)
         self.ema_tokens = ema(self.ema_tokens, accepted + 1.0)
         self.ema_verify = ema(self.ema_verify, verify_time)
         self.ema_round = ema(self.ema_round, round_time)

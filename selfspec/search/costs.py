@@ -1,107 +1,152 @@
 """The cost model: seconds of the forwards a draft round is made of, measured on this machine.
 
-:class:`CostModel` holds the time of one full-depth one-token forward, what each
-attention and each MLP sublayer adds to it, and the time of a verify forward
-over ``k+1`` tokens. The predicted speedup of a plan at ``k`` is
-``tokens_per_round(k) * t_full / (k * t_draft + t_verify(k+1))``.
+Cost belongs to the machine, acceptance to the model and the prompts: the
+search keeps them apart (:mod:`selfspec.search.pipeline` re-measures this model
+when the machine fingerprint changes and re-scores the trials from their stored
+round counts). Measured, all on the weights decoding uses (packed bf16):
+
+- ``t_full``: one full-depth one-token forward (a plain decoding step);
+- ``t_verify[m]``: a full-depth forward over ``m`` tokens (verifying ``m-1`` drafts);
+- per draft weight format (``model``, ``int8``, ``int4-g32``, ...): a one-token
+  draft forward as ``base + kept attention x attn + kept MLP x mlp``;
+- per draft head size ``N``: what scoring N token ids instead of all saves (``head``).
+
+A draft round with ``m`` tokens drafted costs ``m x t_step + t_verify[m+1]``, a
+copy round ``t_verify[m+1]``, a plain step ``t_full``; the predicted speedup of
+a draft is ``tokens x t_full / time`` over the simulated rounds.
 """
 
 from __future__ import annotations
 
 import statistics
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from selfspec.draft.arch import num_layers
 from selfspec.draft.packed import packed_weights
+from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.plan import SkipPlan
-from selfspec.draft.skip import layer_skipper
+from selfspec.draft.spec import DraftSpec
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
-from selfspec.search.scoring import PlanScore
+from selfspec.search.simulate import RoundCounts
+
+
+def weight_format(options: DraftOptions) -> str:
+    """The cost model's key of a draft's weight format."""
+    return f"int4-g{options.group_size}" if options.weights == "int4" else options.weights
+
+
+@dataclass
+class SublayerCosts:
+    base: float  # embedding, norms, head and overhead of a one-token forward
+    attn: float  # each kept attention sublayer
+    mlp: float  # each kept MLP sublayer
 
 
 @dataclass
 class CostModel:
-    """Seconds on this machine: one full one-token forward, what each sublayer adds, verify passes."""
-
     t_full: float
-    t_attn: float  # per attention sublayer
-    t_mlp: float  # per MLP sublayer
-    t_verify: dict[int, float]  # tokens in the verify forward (k+1) -> seconds
+    t_verify: dict[int, float]  # tokens in the forward -> seconds
     num_layers: int
+    draft: dict[str, SublayerCosts] = field(default_factory=dict)  # weight format -> costs
+    head: dict[int, float] = field(default_factory=dict)  # draft head tokens -> seconds saved (<= 0 added)
+    machine: dict = field(default_factory=dict)
 
-    def draft_time(self, plan: SkipPlan) -> float:
-        return max(self.t_full - len(plan.attn) * self.t_attn - len(plan.mlp) * self.t_mlp, 1e-9)
+    def step_time(self, spec: DraftSpec) -> float:
+        """One draft step of ``spec``."""
+        fmt = weight_format(spec.options)
+        if fmt not in self.draft:
+            raise KeyError(f"the cost model has no draft weights {fmt}; measured: {sorted(self.draft)}")
+        c, n, plan = self.draft[fmt], self.num_layers, spec.plan
+        t = c.base + (n - len(plan.attn)) * c.attn + (n - len(plan.mlp)) * c.mlp
+        if spec.options.head_tokens:
+            t -= self.head[spec.options.head_tokens]
+        return max(t, 1e-9)
 
-    def predicted_speedup(self, plan: SkipPlan, score: PlanScore) -> tuple[float, int]:
-        """Best predicted speedup over k and the k that reaches it."""
-        t_draft = self.draft_time(plan)
-        best = (0.0, 1)
-        for k, tpr in score.tokens_per_round.items():
-            if k + 1 not in self.t_verify:
-                continue
-            s = tpr * self.t_full / (k * t_draft + self.t_verify[k + 1])
-            best = max(best, (s, k))
-        return best
+    def verify_time(self, m: int) -> float:
+        if m not in self.t_verify:
+            raise KeyError(f"the cost model has no verify forward over {m} tokens (measured up to {max(self.t_verify)})")
+        return self.t_verify[m]
+
+    def time(self, counts: RoundCounts, spec: DraftSpec) -> float:
+        """Seconds the simulated rounds take (prefill excluded)."""
+        step = self.step_time(spec)
+        t = counts.plain_steps * self.t_full
+        t += sum(n * (m * step + self.verify_time(m + 1)) for m, n in counts.model_rounds.items())
+        t += sum(n * self.verify_time(m + 1) for m, n in counts.copy_rounds.items())
+        return t
+
+    def predicted_speedup(self, counts: RoundCounts, spec: DraftSpec) -> float:
+        t = self.time(counts, spec)
+        return counts.tokens * self.t_full / t if t > 0 else float("nan")
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["t_verify"] = {str(k): v for k, v in self.t_verify.items()}
+        d["head"] = {str(k): v for k, v in self.head.items()}
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
-        return cls(d["t_full"], d["t_attn"], d["t_mlp"], {int(k): v for k, v in d["t_verify"].items()}, d["num_layers"])
+        return cls(d["t_full"], {int(k): v for k, v in d["t_verify"].items()}, d["num_layers"],
+                   {k: SublayerCosts(**v) for k, v in d.get("draft", {}).items()},
+                   {int(k): v for k, v in d.get("head", {}).items()}, d.get("machine", {}))
 
 
-def measure_costs(model, context: list[int], k_max: int = 8, reps: int = 7, packed: bool = True) -> CostModel:
-    """Time the forwards the cost model needs (median of ``reps`` after one warm-up each).
+def measure_costs(model, context: list[int], formats: list[DraftOptions], head_tokens: list[int],
+                  max_verify: int, reps: int = 7, stop_ids=(), machine: dict | None = None) -> CostModel:
+    """Time every forward the cost model needs, round-robin (so load changes hit all alike), medians.
 
-    ``packed``: time them as decoding runs them by default, on the packed weights
-    (:mod:`selfspec.draft.packed`).
+    ``formats``: one :class:`DraftOptions` per draft weight format to cost; ``head_tokens``:
+    the draft head sizes to cost; ``max_verify``: the longest verify forward (tokens).
     """
-    skipper = layer_skipper(model)
-    n = skipper.num_layers
+    n = num_layers(model)
     device = next(model.parameters()).device
     clock = Clock(device)
     ctx = list(context)
-    cache = PositionalKVCache(model, max_len=len(ctx) + k_max + 2)
+    cache = PositionalKVCache(model, max_len=len(ctx) + max_verify + 1)
     tokens = torch.tensor(ctx, dtype=torch.long, device=device)
-
-    def forward(m: int) -> None:
-        forward_at(model, cache, tokens[:m], len(ctx), keep=1)
-
-    # every configuration is timed once per repetition, round-robin, so that a change of
-    # machine load during the measurement hits all of them alike; medians per configuration
-    all_attn = SkipPlan(n, attn=tuple(range(n)))
-    all_mlp = SkipPlan(n, mlp=tuple(range(n)))
-    configs = [("full", 1, None), ("no_attn", 1, all_attn), ("no_mlp", 1, all_mlp)]
-    configs += [(f"verify{m}", m, None) for m in range(2, min(k_max + 1, len(ctx)) + 1)]
-    times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
-
-    def run(m: int, plan: SkipPlan | None) -> float:
-        with skipper.skipping(plan) if plan is not None else nullcontext():
-            t0 = clock.now()
-            forward(m)
-            return clock.now() - t0
-
-    with torch.inference_mode(), packed_weights(model, packed):
+    full, all_attn, all_mlp = SkipPlan(n), SkipPlan(n, attn=tuple(range(n))), SkipPlan(n, mlp=tuple(range(n)))
+    configs: dict[str, tuple[int, Callable[[], ExitStack]]] = {"full": (1, ExitStack)}
+    for m in range(2, min(max_verify, len(ctx)) + 1):
+        configs[f"verify{m}"] = (m, ExitStack)
+    paths: dict[str, DraftPath] = {}
+    for opts in formats:
+        fmt = weight_format(opts)
+        for tag, plan in (("all", full), ("no_attn", all_attn), ("no_mlp", all_mlp)):
+            paths[f"{fmt}/{tag}"] = DraftPath(model, plan, DraftOptions(weights=opts.weights, group_size=opts.group_size),
+                                              stop_ids=stop_ids)
+    for size in head_tokens:
+        if size:
+            paths[f"head{size}"] = DraftPath(model, full, DraftOptions(head_tokens=size), stop_ids=stop_ids)
+    paths["head0"] = DraftPath(model, full, DraftOptions(), stop_ids=stop_ids)
+    for name, path in paths.items():
+        path.prepare(tokens)
+        configs[name] = (1, path.drafting)
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    with torch.inference_mode(), packed_weights(model):
         forward_at(model, cache, tokens, 0, keep=1)
         for rep in range(reps + 1):
-            for name, m, plan in configs:
-                dt = run(m, plan)
+            for name, (m, ctx_manager) in configs.items():
+                with ctx_manager():
+                    t0 = clock.now()
+                    forward_at(model, cache, tokens[:m], len(ctx), keep=1)
+                    dt = clock.now() - t0
                 if rep:  # repetition 0 is the warm-up
                     times[name].append(dt)
     med = {name: statistics.median(v) for name, v in times.items()}
-    t_full = med["full"]
-    t_verify = {m: med[f"verify{m}"] for _, m, _ in configs if m > 1}
-    return CostModel(
-        t_full=t_full,
-        t_attn=max(t_full - med["no_attn"], 0.0) / n,
-        t_mlp=max(t_full - med["no_mlp"], 0.0) / n,
-        t_verify=t_verify,
-        num_layers=n,
-    )
+    draft = {}
+    for opts in formats:
+        fmt = weight_format(opts)
+        t_all, t_no_attn, t_no_mlp = (med[f"{fmt}/{tag}"] for tag in ("all", "no_attn", "no_mlp"))
+        attn, mlp = max(t_all - t_no_attn, 0.0) / n, max(t_all - t_no_mlp, 0.0) / n
+        draft[fmt] = SublayerCosts(base=max(t_all - n * (attn + mlp), 0.0), attn=attn, mlp=mlp)
+    head = {size: med["head0"] - med[f"head{size}"] for size in head_tokens if size}
+    verify = {m: med[f"verify{m}"] for m in range(2, min(max_verify, len(ctx)) + 1)}
+    return CostModel(t_full=med["full"], t_verify=verify, num_layers=n, draft=draft, head=head, machine=machine or {})
+

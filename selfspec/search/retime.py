@@ -1,7 +1,7 @@
-"""Real runs for the search: the wall-clock objective and re-timing of the best plans.
+"""Real runs for the search: the wall-clock objective and re-timing of the best drafts.
 
 Both go through the timing harness (:mod:`selfspec.eval.harness`): warm-up,
-autoregressive and each plan interleaved per prompt, medians over repetitions.
+autoregressive and each draft interleaved per prompt, medians over repetitions.
 """
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ from dataclasses import replace
 
 from selfspec.draft.path import DraftPath
 from selfspec.draft.plan import SkipPlan
+from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig, autoregressive, self_speculative
 from selfspec.eval.harness import Runner, interleaved, median_of, speedups
+from selfspec.search.simulate import decode_config_of
 from selfspec.search.study import Evaluation
 
 AR = "autoregressive"
@@ -29,32 +31,39 @@ def plan_runner(model, eos_ids, plan: SkipPlan | None, cfg: DecodeConfig, draft:
     return run
 
 
-def retime(model, prompts, plans_k: list[tuple[SkipPlan, int]], eos_ids, max_new_tokens: int, reps: int) -> list[dict]:
-    """AR and each (plan, k) on ``prompts``, interleaved after a warm-up; medians over ``reps``."""
-    cfg = DecodeConfig(max_new_tokens=max_new_tokens, fallback=False)
-    runs = {AR: plan_runner(model, eos_ids, None, cfg)}
-    for i, (plan, k) in enumerate(plans_k):
-        runs[f"plan{i}"] = plan_runner(model, eos_ids, plan, replace(cfg, k=k))
+def spec_runner(model, eos_ids, spec: DraftSpec, base: DecodeConfig) -> Runner:
+    """A harness runner for a whole draft: its skip plan, options and length policy."""
+    path = DraftPath(model, spec.plan, spec.options, stop_ids=eos_ids)
+    return plan_runner(model, eos_ids, spec.plan, decode_config_of(spec, base), draft=path)
+
+
+def retime(model, prompts, specs: list[DraftSpec], eos_ids, max_new_tokens: int, reps: int) -> list[dict]:
+    """AR and each draft on ``prompts``, interleaved after a warm-up; medians over ``reps``."""
+    base = DecodeConfig(max_new_tokens=max_new_tokens, fallback=False)
+    runs = {AR: plan_runner(model, eos_ids, None, base)}
+    for i, spec in enumerate(specs):
+        runs[f"draft{i}"] = spec_runner(model, eos_ids, spec, base)
     per_rep = interleaved(runs, prompts, reps, warmup_tokens=4)
     speedup = speedups(per_rep, AR)
     ar_tps = median_of(per_rep[AR], "tokens_per_s")
     return [
-        {"speedup": speedup[f"plan{i}"], "acceptance": median_of(per_rep[f"plan{i}"], "acceptance_rate"),
-         "ar_tokens_per_s": ar_tps, "tokens_per_s": median_of(per_rep[f"plan{i}"], "tokens_per_s")}
-        for i in range(len(plans_k))
+        {"speedup": speedup[f"draft{i}"], "acceptance": median_of(per_rep[f"draft{i}"], "acceptance_rate"),
+         "tokens_per_round": median_of(per_rep[f"draft{i}"], "mean_accepted_length"),
+         "ar_tokens_per_s": ar_tps, "tokens_per_s": median_of(per_rep[f"draft{i}"], "tokens_per_s")}
+        for i in range(len(specs))
     ]
 
 
 class WallclockObjective:
     """Measured speedup of real self-speculative runs on the calibration prompts (noisy, slow)."""
 
-    def __init__(self, model, prompts, eos_ids, max_new_tokens: int, k: int) -> None:
+    def __init__(self, model, prompts, eos_ids, max_new_tokens: int) -> None:
         self.model, self.prompts, self.eos = model, prompts, eos_ids
-        self.cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, fallback=False)
-        ar = interleaved({AR: plan_runner(model, eos_ids, None, self.cfg)}, prompts, warmup_tokens=4)
+        self.base = DecodeConfig(max_new_tokens=max_new_tokens, fallback=False)
+        ar = interleaved({AR: plan_runner(model, eos_ids, None, self.base)}, prompts, warmup_tokens=4)
         self.ar_tps = median_of(ar[AR], "tokens_per_s")
 
-    def __call__(self, plan: SkipPlan) -> Evaluation:
-        runs = interleaved({"plan": plan_runner(self.model, self.eos, plan, self.cfg)}, self.prompts, warmup_tokens=0)
-        stats = runs["plan"][0].summary()
-        return Evaluation(stats["tokens_per_s"] / self.ar_tps, self.cfg.k, float("nan"), stats["acceptance_rate"])
+    def __call__(self, spec: DraftSpec) -> Evaluation:
+        runs = interleaved({"draft": spec_runner(self.model, self.eos, spec, self.base)}, self.prompts, warmup_tokens=0)
+        s = runs["draft"][0].summary()
+        return Evaluation(s["tokens_per_s"] / self.ar_tps, s["acceptance_rate"], s["mean_accepted_length"])

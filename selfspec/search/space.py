@@ -1,26 +1,72 @@
-"""The search space: one boolean per searchable attention and MLP sublayer, and the budget.
+"""The search space: the whole self-draft.
 
-Parameters are ``attn_i`` / ``mlp_i`` for the searchable layers (first and last
-protected by default); a plan outside ``min_skipped..max_skipped`` is pruned
-unscored by the study.
+- which attention and which MLP sublayers to skip (``attn_i`` / ``mlp_i``, one boolean
+  each for the searchable layers; first and last protected by default; a draft outside
+  ``min_skipped..max_skipped`` is pruned unscored by the study);
+- the draft options and length policy (:class:`DraftDims`): precision of the kept
+  weights, int4 group size, draft head size, k, the adaptive exit and its threshold,
+  copy drafting (n-gram size, longest copy).
+
+Each option dimension is a list of values; a list of one value fixes it (no Optuna
+parameter is made for it), e.g. ``weights: [model]`` for a pure layer-skip search as
+the papers run it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import optuna
 
+from selfspec.draft.path import WEIGHTS, DraftOptions
 from selfspec.draft.plan import SkipPlan
+from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
+
+
+@dataclass(frozen=True)
+class DraftDims:
+    weights: tuple[str, ...] = ("model", "int8", "int4")
+    group_size: tuple[int, ...] = (32, 128)  # int4 groups; 32 lines up with the GGUF blocks of the packaged models
+    head_tokens: tuple[int, ...] = (0, 16384, 32768)
+    k: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+    adaptive: tuple[bool, ...] = (False, True)
+    threshold: tuple[float, ...] = (0.2, 0.4, 0.6)
+    ngram: tuple[int, ...] = (0, 2, 3)
+    copy_tokens: tuple[int, ...] = (0, 10)
+
+    def __post_init__(self) -> None:
+        for name in ("weights", "group_size", "head_tokens", "k", "adaptive", "threshold", "ngram", "copy_tokens"):
+            if not getattr(self, name):
+                raise SelfSpecError(f"search.space.{name} is empty: give at least one value")
+        bad = [w for w in self.weights if w not in WEIGHTS]
+        if bad:
+            raise SelfSpecError(f"search.space.weights: unknown {bad}; choose from {', '.join(WEIGHTS)}")
+        for name in ("k",):
+            if min(getattr(self, name)) < 1:
+                raise SelfSpecError(f"search.space.{name} values must be >= 1")
+
+    @property
+    def longest_verify(self) -> int:
+        """The most tokens a verify forward of any draft in the space covers."""
+        return max(max(self.k), max(self.copy_tokens) if max(self.ngram) else 0) + 1
+
+    def formats(self) -> list[DraftOptions]:
+        """One DraftOptions per weight format in the space (int4 once per group size)."""
+        out = []
+        for w in self.weights:
+            for g in (self.group_size if w == "int4" else (32,)):
+                out.append(DraftOptions(weights=w, group_size=g))
+        return out
 
 
 @dataclass(frozen=True)
 class SearchSpace:
     num_layers: int
-    min_skipped: int = 1
+    min_skipped: int = 0
     max_skipped: int | None = None
     protect_first_last: bool = True
+    dims: DraftDims = field(default_factory=DraftDims)
 
     @property
     def searchable(self) -> list[int]:
@@ -38,29 +84,61 @@ class SearchSpace:
             raise SelfSpecError("search budget bounds must be >= 0")
         if not self.searchable:
             raise SelfSpecError("no layer is searchable: the model has too few layers to protect first and last")
-        if self.upper < max(self.min_skipped, 1):
+        if self.upper < self.min_skipped:
             raise SelfSpecError(
                 f"the search budget allows no plan: min_skipped={self.min_skipped}, "
                 f"max_skipped={self.max_skipped}, {2 * len(self.searchable)} searchable sublayers"
             )
 
-    def params_of(self, plan: SkipPlan) -> dict[str, int]:
-        return {
-            **{f"attn_{i}": int(i in plan.attn) for i in self.searchable},
-            **{f"mlp_{i}": int(i in plan.mlp) for i in self.searchable},
-        }
+    def within(self, plan: SkipPlan) -> bool:
+        return self.min_skipped <= plan.n_skipped <= self.upper
 
-    def plan_of(self, params: dict, model: str | None = None) -> SkipPlan:
+    def describe(self) -> dict:
+        """What the study pins: a resumed study refuses another space."""
+        from dataclasses import asdict
+
+        return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
+                "protect_first_last": self.protect_first_last,
+                "dims": {k: list(v) for k, v in asdict(self.dims).items()}}
+
+    # -- params <-> drafts -------------------------------------------------------------
+    def _option_dims(self) -> dict[str, tuple]:
+        d = self.dims
+        return {"weights": d.weights, "group_size": d.group_size, "head_tokens": d.head_tokens, "k": d.k,
+                "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens}
+
+    def params_of(self, spec: DraftSpec) -> dict:
+        params = {**{f"attn_{i}": int(i in spec.plan.attn) for i in self.searchable},
+                  **{f"mlp_{i}": int(i in spec.plan.mlp) for i in self.searchable}}
+        o = spec.options
+        values = {"weights": o.weights, "group_size": o.group_size, "head_tokens": o.head_tokens, "k": spec.k,
+                  "adaptive": spec.adaptive, "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens}
+        unused = {"group_size": o.weights != "int4", "threshold": not spec.adaptive, "copy_tokens": not o.ngram}
+        for name, choices in self._option_dims().items():
+            if unused.get(name):  # a value the draft does not use: any of the space's will do
+                values[name] = choices[0]
+            if values[name] not in choices:
+                raise SelfSpecError(f"warm start {spec.describe()}: {name}={values[name]!r} "
+                                    f"is outside the space {list(choices)}")
+            if len(choices) > 1:
+                params[name] = values[name]
+        return params
+
+    def spec_of(self, params: dict, model: str | None = None) -> DraftSpec:
         attn = tuple(i for i in self.searchable if params.get(f"attn_{i}"))
         mlp = tuple(i for i in self.searchable if params.get(f"mlp_{i}"))
-        return SkipPlan(self.num_layers, attn=attn, mlp=mlp, model=model)
+        v = {name: params.get(name, choices[0]) for name, choices in self._option_dims().items()}
+        options = DraftOptions(weights=v["weights"], group_size=v["group_size"], head_tokens=v["head_tokens"],
+                               ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0)
+        return DraftSpec(SkipPlan(self.num_layers, attn=attn, mlp=mlp, model=model), options, k=v["k"],
+                         adaptive=v["adaptive"], threshold=v["threshold"] if v["adaptive"] else 0.5)
 
-    def suggest(self, trial: optuna.Trial, model: str | None) -> SkipPlan:
+    def suggest(self, trial: optuna.Trial, model: str | None) -> DraftSpec:
         params = {}
         for kind in ("attn", "mlp"):
             for i in self.searchable:
                 params[f"{kind}_{i}"] = trial.suggest_categorical(f"{kind}_{i}", [0, 1])
-        return self.plan_of(params, model)
-
-    def within(self, plan: SkipPlan) -> bool:
-        return max(self.min_skipped, 1) <= plan.n_skipped <= self.upper
+        for name, choices in self._option_dims().items():
+            if len(choices) > 1:
+                params[name] = trial.suggest_categorical(name, list(choices))
+        return self.spec_of(params, model)

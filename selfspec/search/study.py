@@ -1,14 +1,17 @@
-"""The Optuna search for a skip plan (library side; the CLI is ``selfspec.search``).
+"""The Optuna study over whole self-drafts (library side; the CLI is ``python -m selfspec.search``).
 
-Search space: one boolean per attention sublayer and one per MLP sublayer
-(``attn_i`` / ``mlp_i``), minus protected first/last layers. A trial whose
-plan breaks the budget (min/max sublayers skipped) is pruned without being
-scored. The objective is the cost model's predicted speedup (default) or the
-measured wall-clock speedup of real self-speculative runs.
+A trial suggests a draft (:class:`~selfspec.search.space.SearchSpace`); a draft
+outside the skip budget is pruned unscored. The default objective simulates the
+draft's greedy rounds on the calibration prompts (:mod:`selfspec.search.simulate`)
+and prices them with the cost model (:mod:`selfspec.search.costs`); each trial
+stores its round counts, so that a study resumed on another machine is re-scored
+with that machine's cost model without running the model again
+(:func:`top_drafts`). ``objective=wallclock`` times real runs instead.
 
 Studies live in SQLite: a study interrupted by Ctrl-C or a kill resumes with
 every finished trial kept (trials left RUNNING by a kill are marked FAIL and
-re-run). A study remembers the model it was made for and refuses another.
+re-run). A study pins what makes its scores comparable (model, calibration,
+space, objective) and refuses another.
 """
 
 from __future__ import annotations
@@ -20,31 +23,30 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from selfspec.draft.plan import SkipPlan
+from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
 from selfspec.search.costs import CostModel
-from selfspec.search.scoring import AgreementScorer
+from selfspec.search.simulate import RoundCounts, RoundSimulator
 from selfspec.search.space import SearchSpace
 
 
 @dataclass
 class Evaluation:
     value: float
-    k: int
-    agreement: float
-    predicted_acceptance: float
+    acceptance: float
+    tokens_per_round: float
+    counts: RoundCounts | None = None
 
 
 class PredictedObjective:
-    """Predicted speedup from agreement on calibration prompts and the measured cost model."""
+    """Predicted speedup: the draft's simulated rounds on the calibration prompts, priced by the cost model."""
 
-    def __init__(self, scorer: AgreementScorer, costs: CostModel) -> None:
-        self.scorer, self.costs = scorer, costs
+    def __init__(self, simulator: RoundSimulator, costs: CostModel) -> None:
+        self.simulator, self.costs = simulator, costs
 
-    def __call__(self, plan: SkipPlan) -> Evaluation:
-        score = self.scorer.score(plan)
-        value, k = self.costs.predicted_speedup(plan, score)
-        return Evaluation(value, k, score.agreement, score.acceptance(k))
+    def __call__(self, spec: DraftSpec) -> Evaluation:
+        counts = self.simulator.simulate(spec)
+        return Evaluation(self.costs.predicted_speedup(counts, spec), counts.acceptance, counts.tokens_per_round, counts)
 
 
 def open_study(storage_path: Path, study_name: str, model: str, sampler: str, seed: int) -> optuna.Study:
@@ -92,14 +94,14 @@ def pin_study_attr(study: optuna.Study, name: str, value, message: str) -> None:
         raise SelfSpecError(message.format(recorded=recorded))
 
 
-def enqueue_warm_starts(study: optuna.Study, space: SearchSpace, plans: list[SkipPlan]) -> int:
-    """Enqueue known plans to run first (only in a study with no trials yet)."""
+def enqueue_warm_starts(study: optuna.Study, space: SearchSpace, drafts: list[DraftSpec]) -> int:
+    """Enqueue known drafts to run first (only in a study with no trials yet)."""
     if study.get_trials(deepcopy=False):
         return 0
-    for plan in plans:
-        plan.check_model(space.num_layers)
-        study.enqueue_trial(space.params_of(plan), skip_if_exists=True)
-    return len(plans)
+    for spec in drafts:
+        spec.plan.check_model(space.num_layers)
+        study.enqueue_trial(space.params_of(spec), skip_if_exists=True)
+    return len(drafts)
 
 
 def finished(study: optuna.Study) -> int:
@@ -109,7 +111,7 @@ def finished(study: optuna.Study) -> int:
 def run_search(
     study: optuna.Study,
     space: SearchSpace,
-    objective: Callable[[SkipPlan], Evaluation],
+    objective: Callable[[DraftSpec], Evaluation],
     n_trials: int,
     model_name: str | None = None,
     callbacks: list | None = None,
@@ -117,14 +119,16 @@ def run_search(
     """Run trials until the study holds ``n_trials`` finished (complete or pruned) trials."""
 
     def trial_fn(trial: optuna.Trial) -> float:
-        plan = space.suggest(trial, model_name)
-        trial.set_user_attr("n_skipped", plan.n_skipped)
-        if not space.within(plan):
-            raise optuna.TrialPruned(f"{plan.n_skipped} sublayers skipped is outside the budget")
-        ev = objective(plan)
-        trial.set_user_attr("k", ev.k)
-        trial.set_user_attr("agreement", ev.agreement)
-        trial.set_user_attr("predicted_acceptance", ev.predicted_acceptance)
+        spec = space.suggest(trial, model_name)
+        trial.set_user_attr("n_skipped", spec.plan.n_skipped)
+        trial.set_user_attr("k", spec.k)
+        if not space.within(spec.plan):
+            raise optuna.TrialPruned(f"{spec.plan.n_skipped} sublayers skipped is outside the budget")
+        ev = objective(spec)
+        trial.set_user_attr("predicted_acceptance", ev.acceptance)
+        trial.set_user_attr("tokens_per_round", ev.tokens_per_round)
+        if ev.counts is not None:
+            trial.set_user_attr("counts", ev.counts.to_dict())
         return ev.value
 
     remaining = n_trials - finished(study)
@@ -132,17 +136,31 @@ def run_search(
         study.optimize(trial_fn, n_trials=remaining, callbacks=callbacks or [], catch=())
 
 
-def top_plans(study: optuna.Study, space: SearchSpace, n: int,
-              model: str | None = None) -> list[tuple[SkipPlan, optuna.trial.FrozenTrial]]:
-    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
-    done.sort(key=lambda t: t.value, reverse=True)
+@dataclass
+class Ranked:
+    spec: DraftSpec
+    trial: optuna.trial.FrozenTrial
+    value: float  # the trial's predicted speedup, re-scored with ``costs`` when given
+
+
+def top_drafts(study: optuna.Study, space: SearchSpace, n: int, model: str | None = None,
+               costs: CostModel | None = None) -> list[Ranked]:
+    """The ``n`` best distinct drafts; with ``costs``, each trial is re-scored from its stored round counts."""
+    ranked = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if t.value is None:
+            continue
+        spec = space.spec_of(t.params, model)
+        value = t.value
+        if costs is not None and "counts" in t.user_attrs:
+            value = costs.predicted_speedup(RoundCounts.from_dict(t.user_attrs["counts"]), spec)
+        ranked.append(Ranked(spec, t, value))
+    ranked.sort(key=lambda r: r.value, reverse=True)
     seen, out = set(), []
-    for t in done:
-        plan = space.plan_of(t.params, model)
-        key = (plan.attn, plan.mlp)
-        if key not in seen:
-            seen.add(key)
-            out.append((plan, t))
+    for r in ranked:
+        if r.spec.key not in seen:
+            seen.add(r.spec.key)
+            out.append(r)
         if len(out) == n:
             break
     return out

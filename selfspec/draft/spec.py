@@ -1,0 +1,128 @@
+"""`DraftSpec`: the whole self-draft, as a search finds it and a plan file stores it.
+
+A self-draft is the skip plan (which attention and MLP sublayers the draft
+skips), the draft options (precision of the kept weights, the draft head, copy
+drafting: :class:`~selfspec.draft.path.DraftOptions`) and the draft-length
+policy (``k`` tokens per round, or the adaptive exit with its threshold). The
+file format ``selfspec.draft/2`` stores all of it as fields, plus what was
+measured and where (``measured``, ``provenance``: machine, versions, commit).
+Files of the older format ``selfspec.skip_plan/1`` (a skip plan alone, ``k`` in
+its provenance) load as a draft with default options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from selfspec.draft.path import DraftOptions
+from selfspec.draft.plan import PLAN_FORMAT, SkipPlan
+from selfspec.errors import PlanError, SelfSpecError
+
+DRAFT_FORMAT = "selfspec.draft/2"
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    plan: SkipPlan
+    options: DraftOptions = field(default_factory=DraftOptions)
+    k: int = 4
+    adaptive: bool = False
+    threshold: float = 0.5
+    measured: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise PlanError(f"k must be an integer >= 1, got {self.k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise PlanError(f"adaptive must be true or false, got {self.adaptive!r}")
+        if not isinstance(self.threshold, (int, float)) or not 0.0 <= self.threshold < 1.0:
+            raise PlanError(f"threshold must be a number in [0, 1), got {self.threshold!r}")
+
+    @property
+    def key(self) -> tuple:
+        """What makes two drafts the same draft (not what was measured)."""
+        o = self.options
+        return (self.plan.attn, self.plan.mlp, o.weights, o.group_size if o.weights == "int4" else 0,
+                o.head_tokens, o.ngram, o.copy_tokens if o.ngram else 0, self.k, self.adaptive,
+                round(self.threshold, 3) if self.adaptive else None)
+
+    def describe(self) -> str:
+        o = self.options
+        parts = [self.plan.describe()]
+        if o.weights != "model":
+            parts.append(f"{o.weights}" + (f" g{o.group_size}" if o.weights == "int4" else ""))
+        if o.head_tokens:
+            parts.append(f"head {o.head_tokens}")
+        if o.ngram:
+            parts.append(f"{o.ngram}-gram copy" + (f" up to {o.copy_tokens}" if o.copy_tokens else ""))
+        parts.append(f"k={self.k}" + (f" adaptive {self.threshold:.2f}" if self.adaptive else ""))
+        return ", ".join(parts)
+
+    def replace(self, **changes) -> DraftSpec:
+        return dataclasses.replace(self, **changes)
+
+    # -- JSON ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": DRAFT_FORMAT,
+            "model": self.plan.model,
+            "num_layers": self.plan.num_layers,
+            "attn": list(self.plan.attn),
+            "mlp": list(self.plan.mlp),
+            "options": dataclasses.asdict(self.options),
+            "k": self.k,
+            "adaptive": self.adaptive,
+            "threshold": self.threshold,
+            "measured": self.measured,
+            "provenance": self.plan.provenance,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "the draft file") -> DraftSpec:
+        if not isinstance(data, dict):
+            raise PlanError(f"{where} holds {type(data).__name__}, not a selfspec draft (a JSON object)")
+        fmt = data.get("format")
+        if fmt == PLAN_FORMAT:  # a skip plan alone: default options, k from its provenance
+            plan = SkipPlan.from_dict(data)
+            k = (plan.provenance or {}).get("k", cls.k)
+            return cls(plan, k=k)
+        if fmt != DRAFT_FORMAT:
+            raise PlanError(f"{where} is not a selfspec draft (format {fmt!r}, expected {DRAFT_FORMAT!r} "
+                            f"or {PLAN_FORMAT!r})")
+        options = data.get("options") or {}
+        if not isinstance(options, dict):
+            raise PlanError(f"{where}: options must be an object, got {options!r}")
+        provenance = data.get("provenance") or {}
+        if not isinstance(provenance, dict):
+            raise PlanError(f"{where}: provenance must be an object, got {type(provenance).__name__}")
+        try:
+            plan = SkipPlan.from_dict({**data, "format": PLAN_FORMAT, "provenance": provenance})
+            return cls(plan, DraftOptions(**options), k=data.get("k", cls.k), adaptive=data.get("adaptive", False),
+                       threshold=data.get("threshold", cls.threshold), measured=dict(data.get("measured") or {}))
+        except TypeError as e:
+            raise PlanError(f"{where}: {e}") from None
+        except SelfSpecError as e:
+            raise PlanError(f"{where}: {e}") from None
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> DraftSpec:
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"no draft file at {path}")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(data, str(path))

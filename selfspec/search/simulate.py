@@ -1,0 +1,187 @@
+"""Greedy self-speculative rounds simulated exactly, without the decode loop.
+
+For each calibration prompt the full model's greedy continuation ``c`` is
+computed once, with its full-model keys/values. Greedy decoding with any draft
+emits exactly ``c``; what a draft changes is how the rounds fall. A round
+starting at continuation index ``i`` (token ``c[i]`` pending) is replayed as the
+loop runs it:
+
+- copy drafting: the n-gram index over ``prompt + c[:i+1]`` proposes tokens;
+  their accepted count is their agreement with ``c`` (no forward at all);
+- model drafting: one teacher-forced forward of the draft (skips, low-precision
+  weights, cut head) over ``c[i:i+k]`` at positions ``P+i..``, on top of the
+  full-model keys/values of everything before ``P+i`` and its own inside the
+  chunk, exactly what the draft sees in a real round while it agrees with the
+  target. Accepted = leading agreements; the adaptive exit stops the draft after
+  the first token drafted with probability under the threshold, which moves by
+  the loop's own rule (:class:`~selfspec.engine.decoding.AdaptiveThreshold`).
+  The chunk's slots are then restored from the saved full-model values.
+
+The counts of rounds by drafted length (:class:`RoundCounts`) times the cost
+model's seconds give the predicted time (:mod:`selfspec.search.costs`).
+Exact for greedy decoding up to floating-point differences between a
+teacher-forced chunk and one-token steps; for the adaptive exit, a draft that
+already disagreed may stop at another token than the real one would (its
+acceptance is exact, its drafted length an estimate).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from selfspec.draft.copy import NGramIndex
+from selfspec.draft.packed import packed_weights
+from selfspec.draft.path import DraftPath
+from selfspec.draft.spec import DraftSpec
+from selfspec.engine.cache import PositionalKVCache
+from selfspec.engine.decoding import AdaptiveThreshold, DecodeConfig, forward_at
+
+
+@dataclass
+class RoundCounts:
+    """What the rounds of some requests were made of (the first, prefill token not included)."""
+
+    tokens: int = 0  # tokens emitted by rounds and plain steps
+    plain_steps: int = 0
+    model_rounds: Counter = field(default_factory=Counter)  # tokens drafted by the model -> rounds
+    copy_rounds: Counter = field(default_factory=Counter)  # tokens copied from the context -> rounds
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def rounds(self) -> int:
+        return sum(self.model_rounds.values()) + sum(self.copy_rounds.values())
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Mean accepted length, the verify pass's own token included (as DecodeStats derives it)."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else float("nan")
+
+    def add(self, other: RoundCounts) -> None:
+        self.tokens += other.tokens
+        self.plain_steps += other.plain_steps
+        self.model_rounds.update(other.model_rounds)
+        self.copy_rounds.update(other.copy_rounds)
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "plain_steps": self.plain_steps, "drafted": self.drafted,
+                "accepted": self.accepted, "model_rounds": {str(k): v for k, v in sorted(self.model_rounds.items())},
+                "copy_rounds": {str(k): v for k, v in sorted(self.copy_rounds.items())}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RoundCounts:
+        return cls(d["tokens"], d["plain_steps"], Counter({int(k): v for k, v in d["model_rounds"].items()}),
+                   Counter({int(k): v for k, v in d["copy_rounds"].items()}), d["drafted"], d["accepted"])
+
+
+class RoundSimulator:
+    """Replays the rounds of any draft on fixed prompts and their full-model continuations."""
+
+    def __init__(self, model, prompts: list[list[int]], continuations: list[list[int]], stop_ids=()) -> None:
+        self.model = model
+        self.stop_ids = stop_ids
+        self.device = next(model.parameters()).device
+        self.prompts = [list(p) for p in prompts]
+        self.continuations = [list(c) for c in continuations]
+        self.caches: list[PositionalKVCache] = []
+        self.saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        longest = max((len(c) for c in self.continuations), default=1)
+        with torch.inference_mode(), packed_weights(model):
+            for p, c in zip(self.prompts, self.continuations):
+                cache = PositionalKVCache(model, max_len=len(p) + longest + 1)
+                seq = p + c[:-1]  # everything a round ever finds in the cache, as the full model wrote it
+                forward_at(model, cache, self._tensor(seq), 0, keep=1)
+                self.caches.append(cache)
+                self.saved.append([(layer.keys[:, :, : len(seq)].clone(), layer.values[:, :, : len(seq)].clone())
+                                   for layer in cache.layers])
+
+    def _tensor(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long, device=self.device)
+
+    def draft_path(self, spec: DraftSpec) -> DraftPath:
+        return DraftPath(self.model, spec.plan, spec.options, stop_ids=self.stop_ids)
+
+    def simulate(self, spec: DraftSpec, path: DraftPath | None = None, prompts: range | None = None) -> RoundCounts:
+        """Round counts of ``spec`` over the prompts (all of them, or the indices in ``prompts``)."""
+        path = path or self.draft_path(spec)
+        total = RoundCounts()
+        with torch.inference_mode(), packed_weights(self.model):
+            for i in prompts if prompts is not None else range(len(self.prompts)):
+                total.add(self._one(spec, path, i))
+        return total
+
+    def _one(self, spec: DraftSpec, path: DraftPath, index: int) -> RoundCounts:
+        prompt, c = self.prompts[index], self.continuations[index]
+        cache, saved = self.caches[index], self.saved[index]
+        P, L = len(prompt), len(c)
+        out = RoundCounts()
+        if L <= 1:
+            return out
+        path.prepare(self._tensor(prompt))
+        threshold = AdaptiveThreshold(DecodeConfig(k=spec.k, adaptive=spec.adaptive, threshold=spec.threshold))
+        opts = spec.options
+        ngram = NGramIndex(opts.ngram) if opts.ngram else None
+        if ngram is not None:
+            ngram.extend(prompt)
+        i = 0  # c[i] is pending: emitted, not yet in the cache
+        while i + 1 < L:
+            room = L - (i + 1) - 1
+            k = min(spec.k, room)
+            if k < 1:
+                out.plain_steps += 1
+                out.tokens += 1
+                i += 1
+                continue
+            proposal: list[int] = []
+            if ngram is not None:
+                ngram.extend(c[len(ngram.tokens) - P : i + 1])
+                proposal = ngram.propose(min(opts.copy_tokens or k, room))
+            if proposal:
+                drafted = len(proposal)
+                accepted = _leading_agreements(proposal, c[i + 1 : i + 1 + drafted])
+                out.copy_rounds[drafted] += 1
+            else:
+                drafted, accepted = self._model_round(path, cache, saved, c, P, i, k, threshold)
+                out.model_rounds[drafted] += 1
+            threshold.update(drafted, accepted)
+            out.drafted += drafted
+            out.accepted += accepted
+            out.tokens += accepted + 1
+            i += accepted + 1
+        return out
+
+    def _model_round(self, path, cache, saved, c, P, i, k, threshold) -> tuple[int, int]:
+        with path.drafting():
+            logits = forward_at(self.model, cache, self._tensor(c[i : i + k]), P + i, keep=k)
+        for layer, (keys, values) in zip(cache.layers, saved):  # the draft's own slots go; the full model's return
+            layer.keys[:, :, P + i : P + i + k] = keys[:, :, P + i : P + i + k]
+            layer.values[:, :, P + i : P + i + k] = values[:, :, P + i : P + i + k]
+        pred = logits.argmax(-1).tolist()
+        drafted = k
+        if threshold.on:
+            conf = logits.float().softmax(-1).amax(-1).tolist()
+            drafted = next((j + 1 for j in range(k) if threshold.stops_after(conf[j])), k)
+        return drafted, _leading_agreements(pred[:drafted], c[i + 1 : i + 1 + drafted])
+
+
+def _leading_agreements(draft: list[int], target: list[int]) -> int:
+    n = 0
+    for a, b in zip(draft, target):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def decode_config_of(spec: DraftSpec, base: DecodeConfig) -> DecodeConfig:
+    """``base`` with the draft's length policy (k, adaptive exit, threshold)."""
+    return replace(base, k=spec.k, adaptive=spec.adaptive, threshold=spec.threshold)
