@@ -254,3 +254,24 @@ def test_table_builder_numbers(tmp_path, row_format):
     (merged,) = method_comparison({"exp": by_exp["exp"], "later": later}, ["exp", "later"])
     assert merged["self_speculative"] == 3.0
     assert merged["sources"] == {"autoregressive": "exp", "self_speculative": "later"}
+
+
+def test_mix_takes_calibration_rows_of_each_part_and_never_their_eval_rows():
+    part = lambda name, n: {"name": name, "source": "inline", "calibration": [f"{name} c{i}" for i in range(n)],  # noqa: E731
+                            "eval": [f"{name} e{i}" for i in range(3)]}
+    cfg = {"name": "m", "source": "mix", "parts": [part("a", 4), part("b", 5)], "calibration_per_part": 2,
+           "heldout_per_part": 2}
+    ts = load_task_set(cfg)
+    assert [s.turns[0] for s in ts.calibration] == ["a c0", "a c1", "b c0", "b c1"]
+    assert [s.turns[0] for s in ts.eval] == ["a c2", "a c3", "b c2", "b c3"]
+    with pytest.raises(SelfSpecError, match="part 'a' has 4 calibration rows"):
+        load_task_set({**cfg, "heldout_per_part": 3})
+
+
+def test_the_tasks_mix_composes_from_the_four_sets():
+    from selfspec.cli.config import dataset_config
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="search", overrides=["dataset=tasks"])
+    d = dataset_config(cfg)
+    assert [p["name"] for p in d["parts"]] == ["humaneval", "gsm8k", "mtbench", "summarization"]

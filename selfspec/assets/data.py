@@ -14,7 +14,9 @@ Where the rows come from (``source`` in ``conf/dataset/*.yaml``):
   ``datasets.load_dataset("json", ...)``;
 - ``json``: a local JSON/JSONL file (``path``), loaded the same way;
 - ``hub``: ``datasets.load_dataset(path, name, split=hub_split)`` for users
-  with hub access.
+  with hub access;
+- ``mix``: calibration rows of several task sets (``parts``), e.g. for one search
+  over all four; its held-out rows are further calibration rows of each part.
 
 ``format`` turns a row into turns: ``humaneval``, ``gsm8k``, ``mtbench``,
 ``summarization`` or ``plain`` (a ``text_field`` column). Text is plain here;
@@ -205,6 +207,8 @@ def load_task_set(cfg: dict, cache_dir: str | Path | None = None) -> TaskSet:
     """Build a :class:`TaskSet` from a ``conf/dataset`` config (as a plain dict)."""
     name = cfg.get("name", "?")
     max_new = int(cfg.get("max_new_tokens", 128))
+    if cfg.get("source") == "mix":
+        return _mix(cfg, cache_dir)
     if cfg.get("source", "packaged") == "inline":
         def mk(texts, tag):
             return tuple(Sample(f"{name}/{tag}{i}", tuple(t) if isinstance(t, (list, tuple)) else (t,))
@@ -228,6 +232,24 @@ def load_task_set(cfg: dict, cache_dir: str | Path | None = None) -> TaskSet:
     if not ts.eval and not ts.calibration:
         raise SelfSpecError(f"dataset {name!r} has no samples")
     return ts
+
+
+def _mix(cfg: dict, cache_dir) -> TaskSet:
+    """Calibration rows of several task sets: the first ``calibration_per_part`` of each part's
+    calibration split, and as held-out the next ``heldout_per_part`` of it (never a part's eval rows)."""
+    name, per_cal, per_held = cfg["name"], int(cfg["calibration_per_part"]), int(cfg["heldout_per_part"])
+    parts = cfg.get("parts") or []
+    if not parts or not all(isinstance(p, dict) for p in parts):
+        raise SelfSpecError(f"dataset {name!r}: parts must be dataset configs (the entry point resolves their names)")
+    cal, held = [], []
+    for part in parts:
+        ts = load_task_set(part, cache_dir)
+        if len(ts.calibration) < per_cal + per_held:
+            raise SelfSpecError(f"dataset {name!r}: part {ts.name!r} has {len(ts.calibration)} calibration rows, "
+                                f"fewer than calibration_per_part + heldout_per_part = {per_cal + per_held}")
+        cal += ts.calibration[:per_cal]
+        held += ts.calibration[per_cal : per_cal + per_held]
+    return TaskSet(name, tuple(cal), tuple(held), int(cfg.get("max_new_tokens", 128)))
 
 
 def prompt_set_from_config(cfg: dict, cache_dir: str | Path | None = None, heldout: int | None = None) -> PromptSet:

@@ -65,6 +65,14 @@ def plain(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
+def dataset_config(cfg: DictConfig) -> dict:
+    """``cfg.dataset`` as a plain dict, the parts of a ``mix`` named by config name resolved to their configs."""
+    d = plain(cfg.dataset)
+    if d.get("source") == "mix":
+        d["parts"] = [group_option("dataset", p) if isinstance(p, str) else p for p in d.get("parts") or []]
+    return d
+
+
 def search_settings(cfg: DictConfig) -> SearchSettings:
     """``cfg.search`` (plus the top-level ``seed`` and ``plans_dir``) as :class:`SearchSettings`."""
     return typed(SearchSettings, {**plain(cfg.search), "seed": cfg.seed, "plans_dir": cfg.plans_dir}, "search")

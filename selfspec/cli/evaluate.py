@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from selfspec import SelfSpecError, SkipPlan
 from selfspec.assets.data import load_task_set
 from selfspec.assets.models import load_model
-from selfspec.cli.config import conf_dir, decode_config, draft_options, plain
+from selfspec.cli.config import conf_dir, dataset_config, decode_config, draft_options, plain
 from selfspec.cli.wandb_logger import WandbLogger
 from selfspec.draft.spec import DraftSpec
 from selfspec.eval.methods import build_method
@@ -38,7 +38,7 @@ TABLE_COLUMNS = ["sample_id", "method", "turns", "prompt_tokens", "new_tokens", 
 
 
 def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
-    tasks = load_task_set(plain(cfg.dataset), cfg.model.cache_dir)
+    tasks = load_task_set(dataset_config(cfg), cfg.model.cache_dir)
     methods = list(cfg.methods)
     spec = None
     lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)

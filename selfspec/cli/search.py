@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from selfspec.assets.data import prompt_set_from_config
 from selfspec.assets.models import load_model
-from selfspec.cli.config import conf_dir, plain, search_settings
+from selfspec.cli.config import conf_dir, dataset_config, plain, search_settings
 from selfspec.cli.wandb_logger import WandbLogger
 from selfspec.errors import SelfSpecError
 from selfspec.search.pipeline import format_report, search
@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> None:
     logger = None
     try:
         settings = search_settings(cfg)
-        prompts = prompt_set_from_config(plain(cfg.dataset), cfg.model.cache_dir)
+        prompts = prompt_set_from_config(dataset_config(cfg), cfg.model.cache_dir)
         lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)
         logger = _logger(cfg)
         report = search(lm, prompts, settings, on_trial=_on_trial(logger),
