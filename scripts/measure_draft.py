@@ -3,8 +3,8 @@
     python scripts/measure_draft.py --model qwen2.5-coder-1.5b --datasets gsm8k humaneval \
         --setting "plan=empty weights=int4 head=16384 k=4" --setting "weights=int8 k=3 adaptive=1"
 
-Each setting is a space-separated list of key=value: plan (a plan file, `empty`, or `default`
-for results/plans/<model>-default.json), weights (model|int8|int4), group (int4 group size),
+Each setting is a space-separated list of key=value: plan (a draft or plan file, `empty`, or `default`
+for results/plans/<model>-default.json; its options and k unless given), weights (model|int8|int4), group (int4 group size),
 head (draft LM head tokens, 0 = full), ngram, copy (longest copy draft, 0 = k), k, adaptive (0|1), threshold.
 Prompts are the datasets' *calibration* samples (never the eval ones). AR and each setting
 run interleaved per prompt after a warm-up (selfspec.eval.harness); the ratio of total tokens/s is printed and
@@ -21,24 +21,28 @@ from selfspec import DecodeConfig, DecodeStats, SkipPlan
 from selfspec.assets.models import load_model
 from selfspec.cli.config import calibration_prompts
 from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.draft.spec import DraftSpec
 from selfspec.eval.harness import interleaved, recording
 from selfspec.provenance import git_commit
 from selfspec.search.retime import plan_runner
 
 
 def parse(setting: str, model: str, num_layers: int) -> tuple[SkipPlan, DraftOptions, dict]:
+    """A setting's plan and options: a draft file's (plan=<file>), each key given overriding it."""
     kv = dict(item.split("=", 1) for item in setting.split())
     plan_arg = kv.get("plan", "default")
     if plan_arg == "empty":
-        plan = SkipPlan(num_layers)
-    elif plan_arg == "default":
-        plan = SkipPlan.load(f"results/plans/{model}-default.json")
+        spec = DraftSpec(SkipPlan(num_layers))
     else:
-        plan = SkipPlan.load(plan_arg)
-    opts = DraftOptions(weights=kv.get("weights", "model"), group_size=int(kv.get("group", 32)),
-                        head_tokens=int(kv.get("head", 0)), ngram=int(kv.get("ngram", 0)),
-                        copy_tokens=int(kv.get("copy", 0)))
-    return plan, opts, kv
+        spec = DraftSpec.load(f"results/plans/{model}-default.json" if plan_arg == "default" else plan_arg)
+    o = spec.options
+    opts = DraftOptions(weights=kv.get("weights", o.weights), group_size=int(kv.get("group", o.group_size)),
+                        head_tokens=int(kv.get("head", o.head_tokens)), ngram=int(kv.get("ngram", o.ngram)),
+                        copy_tokens=int(kv.get("copy", o.copy_tokens)))
+    kv.setdefault("k", str(spec.k))
+    kv.setdefault("adaptive", "1" if spec.adaptive else "0")
+    kv.setdefault("threshold", str(spec.threshold))
+    return spec.plan, opts, kv
 
 
 def main() -> None:

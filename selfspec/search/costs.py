@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -31,7 +31,7 @@ from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.cache import PositionalKVCache
-from selfspec.engine.decoding import forward_at
+from selfspec.engine.decoding import DecodeConfig, autoregressive, forward_at, self_speculative
 from selfspec.engine.stats import Clock
 from selfspec.search.simulate import RoundCounts
 
@@ -56,6 +56,12 @@ class CostModel:
     draft: dict[str, SublayerCosts] = field(default_factory=dict)  # weight format -> costs
     head: dict[int, float] = field(default_factory=dict)  # draft head tokens -> seconds saved (<= 0 added)
     machine: dict = field(default_factory=dict)
+    # what the decoding loop adds around each forward (bookkeeping, argmax, the adaptive exit's softmax),
+    # from short real runs: per plain step, per draft step, per verify pass, per adaptive draft step
+    overhead: dict[str, float] = field(default_factory=dict)
+
+    def _o(self, name: str) -> float:
+        return self.overhead.get(name, 0.0)
 
     def step_time(self, spec: DraftSpec) -> float:
         """One draft step of ``spec``."""
@@ -75,15 +81,18 @@ class CostModel:
 
     def time(self, counts: RoundCounts, spec: DraftSpec) -> float:
         """Seconds the simulated rounds take (prefill excluded)."""
-        step = self.step_time(spec)
-        t = counts.plain_steps * self.t_full
-        t += sum(n * (m * step + self.verify_time(m + 1)) for m, n in counts.model_rounds.items())
-        t += sum(n * self.verify_time(m + 1) for m, n in counts.copy_rounds.items())
+        step = self.step_time(spec) + self._o("draft_step") + (self._o("adaptive_step") if spec.adaptive else 0.0)
+        plain = self.t_full + self._o("plain_step")
+        verify = self._o("verify")
+        t = counts.plain_steps * plain
+        t += sum(n * (m * step + self.verify_time(m + 1) + verify) for m, n in counts.model_rounds.items())
+        t += sum(n * (self.verify_time(m + 1) + verify) for m, n in counts.copy_rounds.items())
         return t
 
     def predicted_speedup(self, counts: RoundCounts, spec: DraftSpec) -> float:
+        """Over our autoregressive loop: one plain step per token."""
         t = self.time(counts, spec)
-        return counts.tokens * self.t_full / t if t > 0 else float("nan")
+        return counts.tokens * (self.t_full + self._o("plain_step")) / t if t > 0 else float("nan")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -95,7 +104,7 @@ class CostModel:
     def from_dict(cls, d: dict) -> CostModel:
         return cls(d["t_full"], {int(k): v for k, v in d["t_verify"].items()}, d["num_layers"],
                    {k: SublayerCosts(**v) for k, v in d.get("draft", {}).items()},
-                   {int(k): v for k, v in d.get("head", {}).items()}, d.get("machine", {}))
+                   {int(k): v for k, v in d.get("head", {}).items()}, d.get("machine", {}), d.get("overhead", {}))
 
 
 def measure_costs(model, context: list[int], formats: list[DraftOptions], head_tokens: list[int],
@@ -148,5 +157,39 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
         draft[fmt] = SublayerCosts(base=max(t_all - n * (attn + mlp), 0.0), attn=attn, mlp=mlp)
     head = {size: med["head0"] - med[f"head{size}"] for size in head_tokens if size}
     verify = {m: med[f"verify{m}"] for m in range(2, min(max_verify, len(ctx)) + 1)}
-    return CostModel(t_full=med["full"], t_verify=verify, num_layers=n, draft=draft, head=head, machine=machine or {})
+    costs = CostModel(t_full=med["full"], t_verify=verify, num_layers=n, draft=draft, head=head, machine=machine or {})
+    costs.overhead = loop_overheads(model, ctx[: max(len(ctx) // 2, 1)], costs, stop_ids, reps=max(reps // 2, 2))
+    return costs
+
+
+def loop_overheads(model, prompt: list[int], costs: CostModel, stop_ids=(), reps: int = 3,
+                   tokens: int = 24) -> dict[str, float]:
+    """What the decoding loop adds to the raw forwards, from short real runs (medians over ``reps``).
+
+    A plain autoregressive step against ``t_full``; a draft step and a verify pass of a draft with
+    every sublayer kept and k=3 (greedy, no fallback) against the modelled ones; the adaptive exit
+    (threshold 0: it never stops, so only its per-step softmax differs) against the fixed-k run.
+    """
+    n = costs.num_layers
+    spec = DraftSpec(SkipPlan(n), k=3)
+    path = DraftPath(model, spec.plan, spec.options, stop_ids=stop_ids)
+    base = DecodeConfig(max_new_tokens=tokens, k=3, fallback=False)
+    adaptive = replace(base, adaptive=True, threshold=0.0, target_acceptance=0.0)
+    plain, draft, verify, draft_adaptive = [], [], [], []
+    for rep in range(reps + 1):
+        ar = autoregressive(model, prompt, base, stop_ids).stats
+        sp = self_speculative(model, prompt, spec.plan, base, stop_ids, draft=path).stats
+        ad = self_speculative(model, prompt, spec.plan, adaptive, stop_ids, draft=path).stats
+        if rep and ar.plain_steps and sp.rounds and ad.drafted:  # repetition 0 is the warm-up
+            plain.append(ar.step_time / ar.plain_steps)
+            draft.append(sp.draft_time / sp.drafted)
+            verify.append(sp.verify_time / sp.rounds - costs.verify_time(round(sp.drafted / sp.rounds) + 1))
+            draft_adaptive.append(ad.draft_time / ad.drafted)
+    if not plain:
+        return {}
+    med = statistics.median
+    return {"plain_step": max(med(plain) - costs.t_full, 0.0),
+            "draft_step": max(med(draft) - costs.step_time(spec), 0.0),
+            "verify": max(med(verify), 0.0),
+            "adaptive_step": max(med(draft_adaptive) - med(draft), 0.0)}
 

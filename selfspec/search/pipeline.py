@@ -88,6 +88,7 @@ class SearchSettings:
     storage: str = "outputs/optuna/search.db"
     study_name: str = "search"
     cost_reps: int = 7
+    prune: bool = True
     ablation: bool = True
     seed: int = 0
     plans_dir: str = "outputs/plans"
@@ -194,6 +195,28 @@ def ablation_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
     return out
 
 
+def cumulative_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
+    """The paper-style ablation: the skip plan alone (the layer-skip papers' draft, at the found k), then
+    each lever of the found draft added in turn (the adaptive exit last: it makes the searched draft),
+    then the searched draft without skipping. A lever the draft does not use adds no row."""
+    o, n = spec.options, spec.plan.num_layers
+    plain = DraftSpec(spec.plan, DraftOptions(), k=spec.k)
+    steps = [("skip_only", plain),
+             ("plus_low_precision", plain.replace(options=_options(plain.options, weights=o.weights,
+                                                                    group_size=o.group_size))),
+             ("plus_cut_head", plain.replace(options=_options(o, ngram=0, copy_tokens=0))),
+             ("plus_copy", plain.replace(options=o))]
+    out, seen = [], {spec.key}
+    for name, variant in steps:
+        if variant.key not in seen:
+            seen.add(variant.key)
+            out.append((name, variant))
+    out.append(("searched", spec))
+    if spec.plan.n_skipped:
+        out.append(("searched_no_skip", spec.replace(plan=SkipPlan(n, model=spec.plan.model))))
+    return out
+
+
 def _options(o: DraftOptions, **changes) -> DraftOptions:
     return DraftOptions(**{**asdict(o), **changes})
 
@@ -215,7 +238,7 @@ def search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: 
     plans_dir = Path(s.plans_dir)
     _check_writable(plans_dir)
     storage = Path(s.storage)
-    study = open_study(storage, s.study_name, lm.name, s.sampler, s.seed)
+    study = open_study(storage, s.study_name, lm.name, s.sampler, s.seed, s.prune)
     if study.user_attrs.get("format") is None and study.get_trials(deepcopy=False):
         raise SelfSpecError(f"study {s.study_name!r} in {storage} was made by an older selfspec (skip plans only); "
                             "its trials would not compare: choose another search.study_name")

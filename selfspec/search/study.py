@@ -39,17 +39,27 @@ class Evaluation:
 
 
 class PredictedObjective:
-    """Predicted speedup: the draft's simulated rounds on the calibration prompts, priced by the cost model."""
+    """Predicted speedup: the draft's simulated rounds on the calibration prompts, priced by the cost model.
+
+    ``report(step, value)``, when given, hears the running predicted speedup after each prompt
+    (Optuna's pruner may then stop a clearly worse draft early by raising ``TrialPruned``).
+    """
 
     def __init__(self, simulator: RoundSimulator, costs: CostModel) -> None:
         self.simulator, self.costs = simulator, costs
 
-    def __call__(self, spec: DraftSpec) -> Evaluation:
-        counts = self.simulator.simulate(spec)
+    def __call__(self, spec: DraftSpec, report: Callable[[int, float], None] | None = None) -> Evaluation:
+        path = self.simulator.draft_path(spec)
+        counts = RoundCounts()
+        for i in range(len(self.simulator.prompts)):
+            counts.add(self.simulator.simulate(spec, path, prompts=range(i, i + 1)))
+            if report is not None and counts.tokens:
+                report(i, self.costs.predicted_speedup(counts, spec))
         return Evaluation(self.costs.predicted_speedup(counts, spec), counts.acceptance, counts.tokens_per_round, counts)
 
 
-def open_study(storage_path: Path, study_name: str, model: str, sampler: str, seed: int) -> optuna.Study:
+def open_study(storage_path: Path, study_name: str, model: str, sampler: str, seed: int,
+               prune: bool = False) -> optuna.Study:
     """Create or resume a study stored in SQLite at ``storage_path``."""
     storage_path = Path(storage_path)
     try:
@@ -71,6 +81,9 @@ def open_study(storage_path: Path, study_name: str, model: str, sampler: str, se
         study_name=study_name,
         storage=storage,
         sampler=samplers[sampler](),
+        # after 10 trials, a draft whose running prediction falls under the median of earlier ones at the
+        # same prompt (from the third prompt on) stops early
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=10, n_warmup_steps=2) if prune else optuna.pruners.NopPruner(),
         direction="maximize",
         load_if_exists=True,
     )
@@ -117,6 +130,7 @@ def run_search(
     callbacks: list | None = None,
 ) -> None:
     """Run trials until the study holds ``n_trials`` finished (complete or pruned) trials."""
+    prunes = isinstance(objective, PredictedObjective)
 
     def trial_fn(trial: optuna.Trial) -> float:
         spec = space.suggest(trial, model_name)
@@ -124,7 +138,7 @@ def run_search(
         trial.set_user_attr("k", spec.k)
         if not space.within(spec.plan):
             raise optuna.TrialPruned(f"{spec.plan.n_skipped} sublayers skipped is outside the budget")
-        ev = objective(spec)
+        ev = objective(spec, report=lambda step, value: _report(trial, step, value)) if prunes else objective(spec)
         trial.set_user_attr("predicted_acceptance", ev.acceptance)
         trial.set_user_attr("tokens_per_round", ev.tokens_per_round)
         if ev.counts is not None:
@@ -134,6 +148,12 @@ def run_search(
     remaining = n_trials - finished(study)
     if remaining > 0:
         study.optimize(trial_fn, n_trials=remaining, callbacks=callbacks or [], catch=())
+
+
+def _report(trial: optuna.Trial, step: int, value: float) -> None:
+    trial.report(value, step)
+    if trial.should_prune():
+        raise optuna.TrialPruned(f"predicted {value:.3f}x after {step + 1} prompts: below the median of earlier trials")
 
 
 @dataclass

@@ -1,0 +1,57 @@
+"""The draft file: round trips, older skip-plan files, clear errors on hand-edited files; ablation rows."""
+
+import json
+
+import pytest
+
+from selfspec import PlanError, SkipPlan
+from selfspec.draft.path import DraftOptions
+from selfspec.draft.spec import DraftSpec
+from selfspec.search.pipeline import ablation_variants, cumulative_variants
+
+FULL = DraftSpec(SkipPlan(6, attn=(1, 3), mlp=(2,), model="m", provenance={"git_commit": "x"}),
+                 DraftOptions(weights="int4", group_size=128, head_tokens=16384, ngram=3, copy_tokens=10),
+                 k=4, adaptive=True, threshold=0.4, measured={"calibration": {"speedup": 1.5}})
+
+
+def test_round_trip(tmp_path):
+    path = FULL.save(tmp_path / "d.json")
+    back = DraftSpec.load(path)
+    assert back == FULL and back.measured == FULL.measured and back.plan.provenance == {"git_commit": "x"}
+    assert json.loads(path.read_text())["format"] == "selfspec.draft/2"
+
+
+def test_an_older_skip_plan_file_loads_as_a_draft(tmp_path):
+    path = SkipPlan(6, attn=(2,), provenance={"k": 3}).save(tmp_path / "p.json")
+    spec = DraftSpec.load(path)
+    assert spec.plan.attn == (2,) and spec.k == 3 and spec.options == DraftOptions() and not spec.adaptive
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: [], "holds list"),
+    (lambda d: {**d, "attn": None}, "attn must be a list"),
+    (lambda d: {**d, "k": "four"}, "k must be an integer"),
+    (lambda d: {**d, "provenance": [1]}, "provenance must be an object"),
+    (lambda d: {**d, "options": {"weights": "int3"}}, "draft weights must be one of"),
+    (lambda d: {**d, "options": {"wieghts": "int4"}}, "unexpected keyword"),
+    (lambda d: {**d, "format": "other/1"}, "not a selfspec draft"),
+])
+def test_hand_edited_files_give_one_clear_error(tmp_path, edit, message):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(edit(FULL.to_dict())))
+    with pytest.raises(PlanError, match=message):
+        DraftSpec.load(path)
+
+
+def test_ablation_rows():
+    names = [name for name, _ in cumulative_variants(FULL)]
+    assert names == ["skip_only", "plus_low_precision", "plus_cut_head", "plus_copy", "searched", "searched_no_skip"]
+    rows = dict(cumulative_variants(FULL))
+    assert rows["skip_only"].options == DraftOptions() and rows["skip_only"].plan == FULL.plan
+    assert rows["plus_copy"].options == FULL.options and not rows["plus_copy"].adaptive
+    assert rows["searched_no_skip"].plan.n_skipped == 0 and rows["searched_no_skip"].options == FULL.options
+    plain = DraftSpec(SkipPlan(6, attn=(1,)), k=2)  # no lever beyond skipping: no row repeats the searched one
+    assert [n for n, _ in cumulative_variants(plain)] == ["searched", "searched_no_skip"]
+    leave_one_out = dict(ablation_variants(FULL))
+    assert leave_one_out["without low precision"].options.weights == "model"
+    assert leave_one_out["without copy drafting"].options.ngram == 0
