@@ -56,8 +56,10 @@ class CostModel:
     draft: dict[str, SublayerCosts] = field(default_factory=dict)  # weight format -> costs
     head: dict[int, float] = field(default_factory=dict)  # draft head tokens -> seconds saved (<= 0 added)
     machine: dict = field(default_factory=dict)
-    # what the decoding loop adds around each forward (bookkeeping, argmax, the adaptive exit's softmax),
-    # from short real runs: per plain step, per draft step, per verify pass, per adaptive draft step
+    # what a step costs inside the decoding loop beyond the raw forward timed above (bookkeeping, argmax,
+    # the adaptive exit's softmax, the kernels' behaviour in the loop), from short real runs: per plain
+    # step, per draft step of each weight format ("draft_step/<format>"), per verify pass, per adaptive
+    # draft step; negative where the loop ran faster than the isolated forward
     overhead: dict[str, float] = field(default_factory=dict)
 
     def _o(self, name: str) -> float:
@@ -81,13 +83,16 @@ class CostModel:
 
     def time(self, counts: RoundCounts, spec: DraftSpec) -> float:
         """Seconds the simulated rounds take (prefill excluded)."""
-        step = self.step_time(spec) + self._o("draft_step") + (self._o("adaptive_step") if spec.adaptive else 0.0)
+        step = self.step_time(spec) + self._o(f"draft_step/{weight_format(spec.options)}")
+        step = max(step + (self._o("adaptive_step") if spec.adaptive else 0.0), 1e-9)
         plain = self.t_full + self._o("plain_step")
-        verify = self._o("verify")
         t = counts.plain_steps * plain
-        t += sum(n * (m * step + self.verify_time(m + 1) + verify) for m, n in counts.model_rounds.items())
-        t += sum(n * (self.verify_time(m + 1) + verify) for m, n in counts.copy_rounds.items())
+        t += sum(n * (m * step + self._verify(m + 1)) for m, n in counts.model_rounds.items())
+        t += sum(n * self._verify(m + 1) for m, n in counts.copy_rounds.items())
         return t
+
+    def _verify(self, m: int) -> float:
+        return max(self.verify_time(m) + self._o("verify"), 1e-9)
 
     def predicted_speedup(self, counts: RoundCounts, spec: DraftSpec) -> float:
         """Over our autoregressive loop: one plain step per token."""
@@ -158,38 +163,44 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
     head = {size: med["head0"] - med[f"head{size}"] for size in head_tokens if size}
     verify = {m: med[f"verify{m}"] for m in range(2, min(max_verify, len(ctx)) + 1)}
     costs = CostModel(t_full=med["full"], t_verify=verify, num_layers=n, draft=draft, head=head, machine=machine or {})
-    costs.overhead = loop_overheads(model, ctx[: max(len(ctx) // 2, 1)], costs, stop_ids, reps=max(reps // 2, 2))
+    costs.overhead = loop_overheads(model, ctx[: max(len(ctx) // 2, 1)], costs, formats, stop_ids,
+                                    reps=max(reps // 2, 2))
     return costs
 
 
-def loop_overheads(model, prompt: list[int], costs: CostModel, stop_ids=(), reps: int = 3,
-                   tokens: int = 24) -> dict[str, float]:
-    """What the decoding loop adds to the raw forwards, from short real runs (medians over ``reps``).
+def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[DraftOptions], stop_ids=(),
+                   reps: int = 3, tokens: int = 24) -> dict[str, float]:
+    """What a step costs in the decoding loop beyond the modelled forward, from short real runs
+    (interleaved, medians over ``reps`` after a warm-up).
 
-    A plain autoregressive step against ``t_full``; a draft step and a verify pass of a draft with
-    every sublayer kept and k=3 (greedy, no fallback) against the modelled ones; the adaptive exit
-    (threshold 0: it never stops, so only its per-step softmax differs) against the fixed-k run.
+    A plain autoregressive step against ``t_full``; per weight format, a draft step of a draft
+    with every sublayer kept (k=3, greedy, no fallback) against its modelled step, and its verify
+    passes against the modelled ones; the adaptive exit (threshold 0: it never stops, so only its
+    per-step softmax differs) against the fixed-k run of the model-weight draft.
     """
     n = costs.num_layers
-    spec = DraftSpec(SkipPlan(n), k=3)
-    path = DraftPath(model, spec.plan, spec.options, stop_ids=stop_ids)
     base = DecodeConfig(max_new_tokens=tokens, k=3, fallback=False)
     adaptive = replace(base, adaptive=True, threshold=0.0, target_acceptance=0.0)
-    plain, draft, verify, draft_adaptive = [], [], [], []
+    specs = {weight_format(o): DraftSpec(SkipPlan(n), DraftOptions(weights=o.weights, group_size=o.group_size), k=3)
+             for o in formats}
+    specs.setdefault("model", DraftSpec(SkipPlan(n), k=3))
+    paths = {fmt: DraftPath(model, spec.plan, spec.options, stop_ids=stop_ids) for fmt, spec in specs.items()}
+    samples: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        samples.setdefault(name, []).append(value)
+
     for rep in range(reps + 1):
         ar = autoregressive(model, prompt, base, stop_ids).stats
-        sp = self_speculative(model, prompt, spec.plan, base, stop_ids, draft=path).stats
-        ad = self_speculative(model, prompt, spec.plan, adaptive, stop_ids, draft=path).stats
-        if rep and ar.plain_steps and sp.rounds and ad.drafted:  # repetition 0 is the warm-up
-            plain.append(ar.step_time / ar.plain_steps)
-            draft.append(sp.draft_time / sp.drafted)
-            verify.append(sp.verify_time / sp.rounds - costs.verify_time(round(sp.drafted / sp.rounds) + 1))
-            draft_adaptive.append(ad.draft_time / ad.drafted)
-    if not plain:
-        return {}
-    med = statistics.median
-    return {"plain_step": max(med(plain) - costs.t_full, 0.0),
-            "draft_step": max(med(draft) - costs.step_time(spec), 0.0),
-            "verify": max(med(verify), 0.0),
-            "adaptive_step": max(med(draft_adaptive) - med(draft), 0.0)}
+        runs = {fmt: self_speculative(model, prompt, spec.plan, base, stop_ids, draft=paths[fmt]).stats
+                for fmt, spec in specs.items()}
+        ad = self_speculative(model, prompt, specs["model"].plan, adaptive, stop_ids, draft=paths["model"]).stats
+        if not rep or not ar.plain_steps or not ad.drafted or not all(r.rounds for r in runs.values()):
+            continue  # repetition 0 is the warm-up
+        add("plain_step", ar.step_time / ar.plain_steps - costs.t_full)
+        for fmt, st in runs.items():
+            add(f"draft_step/{fmt}", st.draft_time / st.drafted - costs.step_time(specs[fmt]))
+            add("verify", st.verify_time / st.rounds - costs.verify_time(round(st.drafted / st.rounds) + 1))
+        add("adaptive_step", ad.draft_time / ad.drafted - runs["model"].draft_time / runs["model"].drafted)
+    return {name: statistics.median(values) for name, values in samples.items()}
 

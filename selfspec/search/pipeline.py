@@ -146,8 +146,9 @@ def _costs(lm: LoadedModel, context: list[int], space: SearchSpace, reps: int, s
     formats = space.dims.formats()
     heads = sorted(set(space.dims.head_tokens))
     old = CostModel.from_dict(saved["costs"]) if "costs" in saved else None
-    if old is not None and old.machine == here and {weight_format(f) for f in formats} <= set(old.draft) \
-            and set(h for h in heads if h) <= set(old.head) and max(old.t_verify) >= space.dims.longest_verify:
+    fmts = {weight_format(f) for f in formats}
+    if old is not None and old.machine == here and fmts <= set(old.draft) and {f"draft_step/{f}" for f in fmts} <= \
+            set(old.overhead) and set(h for h in heads if h) <= set(old.head) and max(old.t_verify) >= space.dims.longest_verify:
         return old, "cost model measured on this machine"
     print("[selfspec] measuring the cost model on this machine", file=sys.stderr)
     costs = measure_costs(lm.model, context, formats, heads, space.dims.longest_verify, reps, lm.eos_ids, here)
