@@ -40,6 +40,22 @@ def test_greedy_output_is_exact_with_every_draft_option(arch, options):
         assert sp.stats.copy_rounds > 0  # a 96-token vocabulary repeats single tokens soon
 
 
+@pytest.mark.parametrize("weights", ["model", "int8", "int4"])
+def test_every_searchable_draft_is_lossless_on_one_model(weights):
+    """Every combination the search space holds (on one model, drafts switching formats as trials do)."""
+    import itertools
+
+    model = tiny_model("qwen2", vocab_size=96)
+    prompt = PROMPT + PROMPT
+    ar = autoregressive(model, prompt, DecodeConfig(max_new_tokens=16)).tokens
+    combos = itertools.product((0, 40), (0, 2), ((3, False), (4, True)), (SkipPlan(4), PLAN))
+    for head, ngram, (k, adaptive), plan in combos:
+        opts = DraftOptions(weights=weights, group_size=32, head_tokens=head, ngram=ngram, copy_tokens=6 if ngram else 0)
+        cfg = DecodeConfig(max_new_tokens=16, k=k, adaptive=adaptive, threshold=0.3, fallback=False)
+        sp = self_speculative(model, prompt, plan, cfg, draft=DraftPath(model, plan, opts, stop_ids=(2,)))
+        assert sp.tokens == ar, (plan.describe(), opts, k, adaptive)
+
+
 def test_wrapped_model_computes_the_same_outside_drafting():
     model = tiny_model("qwen2", vocab_size=96)
     x = torch.tensor([PROMPT])
