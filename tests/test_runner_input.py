@@ -78,3 +78,14 @@ def test_an_unknown_method_option_is_one_clear_error(lm):
 def test_search_settings_refuse_zero_counts(make, message):
     with pytest.raises(SelfSpecError, match=message):
         make()
+
+
+def test_a_second_writer_of_one_run_folder_is_refused(lm, tasks, tmp_path):
+    from selfspec.locks import exclusive
+
+    path = tmp_path / "samples.jsonl"
+    with exclusive(path, "held by a test"):
+        with pytest.raises(SelfSpecError, match="being written by another process"):
+            _run(lm, tasks, path, 1)
+    assert not path.exists()
+    assert len(_run(lm, tasks, path, 1)) == 1  # released: the next run writes

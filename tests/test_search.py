@@ -253,3 +253,11 @@ def test_a_study_of_the_older_format_is_refused(tmp_path):
     study.tell(study.ask(), 1.0)
     _, err = _cli(tmp_path, "logger=none", "search.n_trials=3").communicate(timeout=300)
     assert "made by an older selfspec" in err
+
+
+def test_a_second_search_on_one_study_is_refused(tmp_path):
+    from selfspec.locks import exclusive
+
+    with exclusive(tmp_path / "optuna" / "study.db", "held by a test"):
+        _, err = _cli(tmp_path, "logger=none", "search.n_trials=2").communicate(timeout=300)
+    assert "being written by another process" in err

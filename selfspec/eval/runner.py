@@ -29,6 +29,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.eval.harness import rotated, warm_up
 from selfspec.eval.methods import Method
 from selfspec.eval.records import decode_record, read_jsonl, repair_torn_tail, sample_row
+from selfspec.locks import exclusive
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,15 @@ def evaluate(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings: E
     }
     fingerprint = json.loads(json.dumps(fingerprint))  # the form it has when read back
     path = settings.out_path
+    with exclusive(path, f"the run folder {path.parent}"):
+        return _write_rows(lm, tasks, methods, settings, header, on_sample, fingerprint)
+
+
+def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings: EvalSettings, header: dict,
+                on_sample, fingerprint: dict) -> list[dict]:
+    """The body of :func:`evaluate`, run while its lock on the results file is held."""
+    path, names = settings.out_path, [m.name for m in methods]
+    samples = list(tasks.eval[: settings.n_samples])
     repair_torn_tail(path)  # a kill mid-write leaves a partial last line: drop it before appending
     old_header, rows = read_jsonl(path)
     if old_header is not None and old_header.get("fingerprint") != fingerprint:

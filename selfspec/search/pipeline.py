@@ -27,6 +27,7 @@ from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig, autoregressive
 from selfspec.errors import SelfSpecError
+from selfspec.locks import exclusive
 from selfspec.provenance import machine_fingerprint, provenance
 from selfspec.search.costs import CostModel, measure_costs, weight_format
 from selfspec.search.retime import WallclockObjective, retime
@@ -231,6 +232,13 @@ def _predict(sim: RoundSimulator, costs: CostModel, spec: DraftSpec, prompts: in
 
 def search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: Callable | None = None,
            extra_provenance: dict | None = None) -> SearchReport:
+    """The whole search; one process at a time per study (a second one is refused with a clear error)."""
+    with exclusive(Path(s.storage), f"the study {s.storage}"):
+        return _search(lm, prompt_set, s, on_trial, extra_provenance)
+
+
+def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: Callable | None,
+            extra_provenance: dict | None) -> SearchReport:
     t_start = time.perf_counter()
     calib_ids = [encode_prompt(lm.tokenizer, p) for p in prompt_set.calibration]
     held_ids = [encode_prompt(lm.tokenizer, p) for p in prompt_set.heldout[: s.heldout.prompts]]
