@@ -123,20 +123,29 @@ class SkipPlan:
             raise PlanError(f"skip plan is missing the field {e.args[0]!r}") from None
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
-        tmp.replace(path)
-        return path
+        return write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> SkipPlan:
-        path = Path(path)
-        if not path.is_file():
-            raise PlanError(f"no plan file at {path}")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path, "plan file"))
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    """Write ``data`` to ``path`` atomically (a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """The JSON in ``path``, or a :class:`PlanError` saying it is missing or not JSON."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(f"no {what} at {path}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"{path} is not valid JSON: {e}") from None

@@ -13,13 +13,12 @@ its provenance) load as a draft with default options.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from selfspec.draft.path import DraftOptions
-from selfspec.draft.plan import PLAN_FORMAT, SkipPlan
+from selfspec.draft.plan import PLAN_FORMAT, SkipPlan, read_json, write_json
 from selfspec.errors import PlanError, SelfSpecError
 
 DRAFT_FORMAT = "selfspec.draft/2"
@@ -109,20 +108,8 @@ class DraftSpec:
             raise PlanError(f"{where}: {e}") from None
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        tmp.replace(path)
-        return path
+        return write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> DraftSpec:
-        path = Path(path)
-        if not path.is_file():
-            raise PlanError(f"no draft file at {path}")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise PlanError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(read_json(path, "draft file"), str(path))
