@@ -1,4 +1,7 @@
-"""One writer at a time: an exclusive, non-blocking lock on a file beside what is written.
+"""Guards for what a run writes: a folder checked writable up front, and one writer at a time.
+
+:func:`check_writable` fails before long work, not after it, when a folder cannot be written.
+:func:`exclusive` takes an exclusive, non-blocking lock on a file beside what is written.
 
 A run folder's ``samples.jsonl`` and a study's storage each get a ``.lock`` file; a second
 process that tries to write the same results while the first holds it gets one clear error
@@ -15,6 +18,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """Create ``folder`` and write a probe file in it, or raise one :class:`SelfSpecError` naming ``what``."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".selfspec-write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SelfSpecError(f"cannot write {what} at {folder}: {e.strerror or e}") from None
 
 
 @contextmanager

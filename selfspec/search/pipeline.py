@@ -27,7 +27,7 @@ from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig, autoregressive
 from selfspec.errors import SelfSpecError
-from selfspec.locks import exclusive
+from selfspec.locks import check_writable, exclusive
 from selfspec.provenance import machine_fingerprint, provenance
 from selfspec.search.costs import CostModel, measure_costs, weight_format
 from selfspec.search.retime import WallclockObjective, retime
@@ -245,7 +245,7 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial:
     space = SearchSpace(lm.num_layers, s.min_skipped, s.max_skipped, s.protect_first_last, s.space)
     space.check()
     plans_dir = Path(s.plans_dir)
-    _check_writable(plans_dir)
+    check_writable(plans_dir, "draft files")
     storage = Path(s.storage)
     study = open_study(storage, s.study_name, lm.name, s.sampler, s.seed, s.prune)
     if study.user_attrs.get("format") is None and study.get_trials(deepcopy=False):
@@ -321,17 +321,6 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial:
 
 def _subset(m: dict) -> dict:
     return {k: m[k] for k in ("acceptance", "tokens_per_round", "decode_speedup", "speedup")}
-
-
-def _check_writable(folder: Path) -> None:
-    """Fail before the search, not after it, when the draft file could not be written."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".selfspec-write-probe"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise SelfSpecError(f"cannot write draft files to {folder}: {e.strerror or e}") from None
 
 
 def format_report(r: SearchReport) -> str:

@@ -14,7 +14,7 @@ the papers run it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import optuna
 
@@ -95,8 +95,6 @@ class SearchSpace:
 
     def describe(self) -> dict:
         """What the study pins: a resumed study refuses another space."""
-        from dataclasses import asdict
-
         return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
                 "protect_first_last": self.protect_first_last,
                 "dims": {k: list(v) for k, v in asdict(self.dims).items()}}

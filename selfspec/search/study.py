@@ -25,6 +25,7 @@ from optuna.trial import TrialState
 
 from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
+from selfspec.locks import check_writable
 from selfspec.search.costs import CostModel
 from selfspec.search.simulate import RoundCounts, RoundSimulator
 from selfspec.search.space import SearchSpace
@@ -62,13 +63,7 @@ def open_study(storage_path: Path, study_name: str, model: str, sampler: str, se
                prune: bool = False) -> optuna.Study:
     """Create or resume a study stored in SQLite at ``storage_path``."""
     storage_path = Path(storage_path)
-    try:
-        storage_path.parent.mkdir(parents=True, exist_ok=True)
-        probe = storage_path.parent / f".{storage_path.name}.probe"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise SelfSpecError(f"cannot write the study storage at {storage_path}: {e.strerror or e}") from None
+    check_writable(storage_path.parent, f"the study storage {storage_path.name}")
     samplers = {
         "tpe": lambda: optuna.samplers.TPESampler(seed=seed, multivariate=True),
         "random": lambda: optuna.samplers.RandomSampler(seed=seed),
