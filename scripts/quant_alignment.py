@@ -1,7 +1,7 @@
 """Does the draft's quantization line up with the packaged checkpoint's 4-bit grid? Acceptance and error per format.
 
     python scripts/quant_alignment.py results/plans/qwen2.5-coder-1.5b-tasks.json \
-        results/optuna/qwen2.5-coder-1.5b-tasks.calibration.json
+        results/optuna/qwen2.5-coder-1.5b-tasks.db
 
 The packaged checkpoints are 4-bit GGUF files (Q4_K_M: blocks of 32) dequantized to bf16, so an
 int4 draft whose groups are 32 wide rebuilds weights that already lie on a 4-bit grid; groups of
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,7 @@ from selfspec.draft.lowbit import LowPrecisionLinear
 from selfspec.draft.path import DraftOptions
 from selfspec.draft.spec import DraftSpec
 from selfspec.provenance import git_commit, machine_fingerprint
+from selfspec.search.pipeline import study_calibration
 from selfspec.search.simulate import RoundSimulator
 
 FORMATS = {"model": DraftOptions(), "int8": DraftOptions(weights="int8"),
@@ -51,12 +53,13 @@ def output_error(model, options: DraftOptions, layers: list[int]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("draft")
-    ap.add_argument("calibration", help="the study's calibration.json (prompts and continuations)")
+    ap.add_argument("storage", help="the study's storage (its calibration prompts and continuations)")
+    ap.add_argument("--study", help="the study's name (default: the draft file's name)")
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 9, 18, 27])
     ap.add_argument("--out", default="results/quant_alignment.jsonl")
     args = ap.parse_args()
     spec = DraftSpec.load(args.draft)
-    saved = json.loads(open(args.calibration).read())
+    saved = study_calibration(args.storage, args.study or Path(args.draft).stem)
     lm = load_model(saved["key"]["model"])
     sim = RoundSimulator(lm.model, saved["key"]["prompts"], saved["continuations"], lm.eos_ids)
     row = {"draft": args.draft, "draft_options": spec.describe(), "prompts": len(sim.prompts),

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from selfspec import DecodeConfig, SelfSpecError, SkipPlan, autoregressive
 from selfspec.assets.tiny import TINY_VOCAB, tiny_model
 from selfspec.draft.path import DraftOptions
 from selfspec.draft.spec import DraftSpec
+from selfspec.search import workers
 from selfspec.search.costs import CostModel, SublayerCosts
 from selfspec.search.simulate import RoundCounts, RoundSimulator
 from selfspec.search.space import DraftDims, SearchSpace
@@ -138,9 +140,14 @@ def test_interrupted_search_resumes_with_no_trial_lost(tmp_path, simulator):
         run_search(study, space, obj, n_trials=10, callbacks=[stop_after_three])
     first = [(t.number, t.params) for t in study.get_trials()]
     assert len(first) == 3
-    study.ask()  # a trial left RUNNING, as a kill -9 would leave it
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = study.ask()  # a trial left RUNNING by a worker on this host that was killed
+    left.set_user_attr("worker", f"{socket.gethostname()}:{int(gone.stdout)}")
+    live = study.ask()  # and one of a live worker (this process): it is left alone
+    live.set_user_attr("worker", workers.WORKER)
     resumed = open_study(tmp_path / "s.db", "r", "tiny", "tpe", 0)
-    assert not resumed.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+    assert [t.number for t in resumed.get_trials(states=(optuna.trial.TrialState.RUNNING,))] == [live.number]
+    resumed.tell(live, state=optuna.trial.TrialState.FAIL)
     run_search(resumed, space, obj, n_trials=10)
     assert finished(resumed) == 10
     assert [(t.number, t.params) for t in resumed.get_trials()][:3] == first
@@ -228,15 +235,36 @@ def test_resume_with_other_calibration_refused(tmp_path):
     assert proc.returncode == 2 and "other calibration prompts or settings" in err
 
 
+def _study(tmp_path):
+    return optuna.load_study(study_name="tiny-llama-default", storage=f"sqlite:///{tmp_path}/optuna/study.db")
+
+
 def test_cli_remeasures_costs_on_another_machine_and_says_so(tmp_path):
     assert _cli(tmp_path, "logger=none", "search.n_trials=3").wait(timeout=300) == 0
-    calib = tmp_path / "optuna" / "study.calibration.json"
-    saved = json.loads(calib.read_text())
+    study = _study(tmp_path)
+    saved = study.user_attrs["calibration_data"]
     saved["costs"]["machine"]["cpu"] = "another CPU"
-    calib.write_text(json.dumps(saved))
+    study.set_user_attr("calibration_data", saved)
     out, err = _cli(tmp_path, "logger=none", "search.n_trials=3").communicate(timeout=300)
     assert "cost model re-measured on this machine" in out and "another CPU" in out, err
-    assert json.loads(calib.read_text())["costs"]["machine"]["cpu"] != "another CPU"
+    assert _study(tmp_path).user_attrs["calibration_data"]["costs"]["machine"]["cpu"] != "another CPU"
+
+
+def test_a_torn_calibration_file_of_an_older_study_is_calibrated_again(tmp_path):
+    assert _cli(tmp_path, "logger=none", "search.n_trials=2").wait(timeout=300) == 0
+    study = _study(tmp_path)  # as an older selfspec left it: the calibration in a file beside the study
+    saved = study.user_attrs["calibration_data"]
+    study.set_user_attr("calibration_data", None)
+    legacy = tmp_path / "optuna" / "study.calibration.json"
+    legacy.write_text(json.dumps(saved))
+    _, err = _cli(tmp_path, "logger=none", "search.n_trials=3").communicate(timeout=300)
+    assert "calibrating" not in err and "measuring the cost model" not in err, err  # the file was taken as it is
+    study.set_user_attr("calibration_data", None)
+    legacy.write_text(json.dumps(saved)[:50])
+    p = _cli(tmp_path, "logger=none", "search.n_trials=4")
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0 and "unreadable (torn?); calibrating again" in err, err
+    assert _study(tmp_path).user_attrs["calibration_data"]["continuations"] == saved["continuations"]
 
 
 @pytest.mark.parametrize("override, message", [("search.max_skipped=2", "searched another space"),
@@ -255,9 +283,54 @@ def test_a_study_of_the_older_format_is_refused(tmp_path):
     assert "made by an older selfspec" in err
 
 
-def test_a_second_search_on_one_study_is_refused(tmp_path):
-    from selfspec.locks import exclusive
+@pytest.mark.parametrize("storage", ["study.db", "study.journal"])
+def test_two_workers_share_one_study(tmp_path, storage):
+    """Two search processes on one study: one calibration, the budget kept, one draft written."""
+    common = ["logger=none", "search.n_trials=24", f"search.storage={tmp_path}/optuna/{storage}"]
+    procs = [_cli(tmp_path, *common, f"hydra.run.dir={tmp_path}/hydra{i}") for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    err = "".join(e for _, e in outs)
+    assert err.count("calibrating:") == 1 and err.count("measuring the cost model") == 1, err
+    assert sum("best draft" in o for o, _ in outs) == 1 and err.count("worker") >= 1
+    study = optuna.load_study(study_name="tiny-llama-default", storage=workers.open_storage(tmp_path / "optuna" / storage))
+    assert finished(study) == 24
+    unrun = study.get_trials(states=(optuna.trial.TrialState.FAIL,))
+    assert len(unrun) <= 1 and all("not_run" in t.user_attrs for t in unrun)
+    assert DraftSpec.load(tmp_path / "plans" / "tiny-llama-default.json").plan.num_layers == 4
+    assert optuna.get_all_study_names(study._storage) == ["tiny-llama-default"]  # slots and claims given back
 
-    with exclusive(tmp_path / "optuna" / "study.db", "held by a test"):
-        _, err = _cli(tmp_path, "logger=none", "search.n_trials=2").communicate(timeout=300)
-    assert "being written by another process" in err
+
+def test_worker_slots_are_distinct_and_given_back(tmp_path):
+    storage = workers.open_storage(tmp_path / "s.journal")
+    with workers.worker_slot(storage, "x") as a, workers.worker_slot(storage, "x") as b:
+        assert (a, b) == (0, 1)
+    with workers.worker_slot(storage, "x") as c:
+        assert c == 0
+
+
+def test_a_claim_is_computed_once_and_a_dead_holder_is_taken_over(tmp_path):
+    storage = workers.open_storage(tmp_path / "s.db")
+    box = {}
+    calls = []
+
+    def compute():
+        calls.append(1)
+        box["v"] = 42
+        return 42
+
+    assert workers.claimed_once(storage, "x", "c", lambda: box.get("v"), compute) == 42
+    assert workers.claimed_once(storage, "x", "c", lambda: box.get("v"), compute) == 42 and len(calls) == 1
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert workers.try_claim(storage, "x", "d")
+    optuna.load_study(study_name="x~d", storage=storage).set_user_attr("worker", f"{socket.gethostname()}:{int(gone.stdout)}")
+    assert workers.try_claim(storage, "x", "d")  # its holder is dead: taken over
+    assert not workers.try_claim(storage, "x", "d")  # held by this live process
+
+
+def test_storage_urls_and_bad_ones(tmp_path):
+    url = f"sqlite:///{tmp_path}/u.db"
+    study = open_study(url, "x", "m", "random", 0)
+    assert study.study_name == "x" and (tmp_path / "u.db").is_file()
+    with pytest.raises(SelfSpecError, match="cannot open the study storage nosuchdriver://"):
+        workers.open_storage("nosuchdriver://host/db")

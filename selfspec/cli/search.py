@@ -4,6 +4,8 @@ Composes ``conf/search.yaml``, turns it into typed settings, loads the model
 and prompts, runs :func:`selfspec.search.pipeline.search`, logs trials and the report
 to W&B when ``logger=wandb`` (offline by default), prints the report.
 Interrupt it at any time: rerunning the same command resumes the study.
+Start it several times on one study (``search.storage``: SQLite, a journal file
+or a database URL) to run the trials on several workers.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def main(cfg: DictConfig) -> None:
         logger = _logger(cfg)
         report = search(lm, prompts, settings, on_trial=_on_trial(logger),
                         extra_provenance={"config": plain(cfg)})
+        if report is None:  # another worker of the study writes the draft
+            logger.finish()
+            return
         print(format_report(report))
         logger.summary({k: v for k, v in report.to_dict().items() if k not in ("draft", "candidates", "ablation")})
         logger.artifact(report.plan_path, f"draft-{Path(report.plan_path).stem}", "draft")

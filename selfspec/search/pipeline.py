@@ -2,9 +2,11 @@
 
 Steps: encode prompts -> calibrate (the full model's continuations, pinned to
 the study; the cost model, re-measured whenever the machine differs from the
-one that measured it) -> Optuna trials (each draft's rounds simulated exactly
-and priced) -> re-time the top drafts with real self-speculative runs -> report
-on held-out prompts, with an ablation of the found draft -> write the draft file.
+one that measured it; both stored in the study, computed by one worker) ->
+Optuna trials (each draft's rounds simulated exactly and priced; any number of
+workers at once) -> re-time the top drafts with real self-speculative runs ->
+report on held-out prompts, with an ablation of the found draft -> write the
+draft file (by the last worker to finish).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig, autoregressive
 from selfspec.errors import SelfSpecError
-from selfspec.locks import check_writable, exclusive
+from selfspec.locks import check_writable
 from selfspec.provenance import machine_fingerprint, provenance
 from selfspec.search.costs import CostModel, measure_costs, weight_format
 from selfspec.search.retime import WallclockObjective, retime
@@ -42,8 +44,20 @@ from selfspec.search.study import (
     run_search,
     top_drafts,
 )
+from selfspec.search.workers import (
+    WORKER,
+    claimed_once,
+    fail_dead_trials,
+    open_storage,
+    release,
+    running_elsewhere,
+    storage_file,
+    try_claim,
+    worker_slot,
+)
 
 STUDY_FORMAT = "selfspec.study/2"  # trials are whole drafts with their round counts
+CALIBRATION_ATTR = "calibration_data"  # the study's calibration: continuations and the cost model
 
 
 @dataclass(frozen=True)
@@ -122,45 +136,6 @@ class SearchReport:
         return d
 
 
-# -- calibration: acceptance belongs to the model and prompts, cost to the machine --------------
-
-def _continuations(study: optuna.Study, lm: LoadedModel, prompts: list[list[int]], n_tokens: int,
-                   saved: dict) -> list[list[int]]:
-    key = {"model": lm.name, "prompts": prompts, "n_tokens": n_tokens}
-    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
-    pin_study_attr(study, "calibration", digest,
-                   f"study {study.study_name!r} was scored with other calibration prompts or settings; "
-                   "its trials would not compare: choose another search.study_name")
-    if saved.get("key") == key:
-        return saved["continuations"]
-    print("[selfspec] calibrating: the full model's continuations (once per study)", file=sys.stderr)
-    cfg = DecodeConfig(max_new_tokens=n_tokens)
-    conts = [autoregressive(lm.model, p, cfg, lm.eos_ids).tokens for p in prompts]
-    saved.clear()
-    saved.update(key=key, continuations=conts)
-    return conts
-
-
-def _costs(lm: LoadedModel, context: list[int], space: SearchSpace, reps: int, saved: dict) -> tuple[CostModel, str]:
-    """The cost model of this machine: the saved one when it was measured here for this space, else measured now."""
-    here = machine_fingerprint()
-    formats = space.dims.formats()
-    heads = sorted(set(space.dims.head_tokens))
-    old = CostModel.from_dict(saved["costs"]) if "costs" in saved else None
-    fmts = {weight_format(f) for f in formats}
-    if old is not None and old.machine == here and fmts <= set(old.draft) and {f"draft_step/{f}" for f in fmts} <= \
-            set(old.overhead) and set(h for h in heads if h) <= set(old.head) and max(old.t_verify) >= space.dims.longest_verify:
-        return old, "cost model measured on this machine"
-    print("[selfspec] measuring the cost model on this machine", file=sys.stderr)
-    costs = measure_costs(lm.model, context, formats, heads, space.dims.longest_verify, reps, lm.eos_ids, here)
-    saved["costs"] = costs.to_dict()
-    if old is None:
-        return costs, "cost model measured on this machine"
-    return costs, (f"cost model re-measured on this machine; trials were re-scored with it "
-                   f"(it was measured on {old.machine.get('cpu', '?')}, {old.machine.get('cores', '?')} cores, "
-                   f"torch {old.machine.get('torch', '?')})")
-
-
 class _Progress:
     """Optuna callback: a tqdm bar with the best predicted speedup and its acceptance."""
 
@@ -231,25 +206,31 @@ def _predict(sim: RoundSimulator, costs: CostModel, spec: DraftSpec, prompts: in
 
 
 def search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: Callable | None = None,
-           extra_provenance: dict | None = None) -> SearchReport:
-    """The whole search; one process at a time per study (a second one is refused with a clear error)."""
-    with exclusive(Path(s.storage), f"the study {s.storage}"):
-        return _search(lm, prompt_set, s, on_trial, extra_provenance)
+           extra_provenance: dict | None = None) -> SearchReport | None:
+    """The whole search, as one worker of the study: any number may run at once (one machine or many).
 
-
-def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: Callable | None,
-            extra_provenance: dict | None) -> SearchReport:
-    t_start = time.perf_counter()
-    calib_ids = [encode_prompt(lm.tokenizer, p) for p in prompt_set.calibration]
-    held_ids = [encode_prompt(lm.tokenizer, p) for p in prompt_set.heldout[: s.heldout.prompts]]
+    Calibration is done once per study and shared; each worker seeds its sampler with
+    ``seed + its slot``; the workers together run ``n_trials``. The worker that finds
+    the budget spent and no trial running elsewhere re-times the best drafts and writes
+    the draft file; the others return None.
+    """
     space = SearchSpace(lm.num_layers, s.min_skipped, s.max_skipped, s.protect_first_last, s.space)
     space.check()
+    check_writable(Path(s.plans_dir), "draft files")
+    storage = open_storage(s.storage)
+    with worker_slot(storage, s.study_name) as slot:
+        return _search(lm, prompt_set, s, space, storage, slot, on_trial, extra_provenance)
+
+
+def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: SearchSpace, storage, slot: int,
+            on_trial: Callable | None, extra_provenance: dict | None) -> SearchReport | None:
+    t_start, started = time.perf_counter(), time.time()
+    calib_ids = [encode_prompt(lm.tokenizer, p) for p in prompt_set.calibration]
+    held_ids = [encode_prompt(lm.tokenizer, p) for p in prompt_set.heldout[: s.heldout.prompts]]
     plans_dir = Path(s.plans_dir)
-    check_writable(plans_dir, "draft files")
-    storage = Path(s.storage)
-    study = open_study(storage, s.study_name, lm.name, s.sampler, s.seed, s.prune)
+    study = open_study(storage, s.study_name, lm.name, s.sampler, s.seed + slot, s.prune)
     if study.user_attrs.get("format") is None and study.get_trials(deepcopy=False):
-        raise SelfSpecError(f"study {s.study_name!r} in {storage} was made by an older selfspec (skip plans only); "
+        raise SelfSpecError(f"study {s.study_name!r} in {s.storage} was made by an older selfspec (skip plans only); "
                             "its trials would not compare: choose another search.study_name")
     pin_study_attr(study, "format", STUDY_FORMAT, "study format {recorded!r} is not this selfspec's")
     pin_study_attr(study, "space", space.describe(),
@@ -259,13 +240,7 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial:
                    f"study {s.study_name!r} was scored by objective {{recorded!r}}, not {s.objective!r}: "
                    "choose another search.study_name")
     enqueue_warm_starts(study, space, [DraftSpec.load(p) for p in s.warm_start])
-    calib_path = storage.with_name(storage.stem + ".calibration.json")
-    saved = json.loads(calib_path.read_text()) if calib_path.is_file() else {}
-    conts = _continuations(study, lm, calib_ids, s.calibration_tokens, saved)
-    costs, cost_note = _costs(lm, calib_ids[0] + conts[0], space, s.cost_reps, saved)
-    tmp = calib_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(saved))
-    tmp.replace(calib_path)
+    conts, costs, cost_note = _calibration(study, storage, lm, calib_ids, space, s)
     sim = RoundSimulator(lm.model, calib_ids, conts, lm.eos_ids)
     if s.objective == "predicted":
         objective = PredictedObjective(sim, costs)
@@ -276,6 +251,115 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial:
         run_search(study, space, objective, s.n_trials, lm.name, [progress] + ([on_trial] if on_trial else []))
     finally:
         progress.close()
+    fail_dead_trials(study)
+    if running_elsewhere(study) or not try_claim(storage, s.study_name, "writing the draft"):
+        print(f"[selfspec] worker {slot} done; other workers are still running trials of study "
+              f"{s.study_name!r}: the last one to finish writes the draft", file=sys.stderr)
+        return None
+    try:
+        written = study.user_attrs.get("draft_written") or {}
+        if written.get("at", 0.0) > started:  # another worker of this search finished first and wrote it
+            print(f"[selfspec] worker {slot} done; {written['by']} wrote the draft to {written['path']}",
+                  file=sys.stderr)
+            return None
+        report = _finish(lm, prompt_set, s, space, study, sim, costs, cost_note, calib_ids, held_ids, plans_dir,
+                         t_start, extra_provenance)
+        study.set_user_attr("draft_written", {"at": time.time(), "by": WORKER, "path": report.plan_path})
+        return report
+    finally:
+        release(storage, s.study_name, "writing the draft")
+
+
+def _calibration(study: optuna.Study, storage, lm: LoadedModel, calib_ids: list[list[int]], space: SearchSpace,
+                 s: SearchSettings) -> tuple[list[list[int]], CostModel, str]:
+    """The full model's continuations and this machine's cost model: computed by one worker, stored in the study."""
+    key = {"model": lm.name, "prompts": calib_ids, "n_tokens": s.calibration_tokens}
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    pin_study_attr(study, "calibration", digest,
+                   f"study {s.study_name!r} was scored with other calibration prompts or settings; "
+                   "its trials would not compare: choose another search.study_name")
+    first = _saved_calibration(study, s.storage)
+    note = {}
+
+    def ready() -> dict | None:
+        saved = study.user_attrs.get(CALIBRATION_ATTR) or first
+        if saved.get("key") == key and _costs_fit(saved, space):
+            return saved
+        return None
+
+    def compute() -> dict:
+        saved = dict(study.user_attrs.get(CALIBRATION_ATTR) or first)
+        if saved.get("key") != key:
+            print("[selfspec] calibrating: the full model's continuations (once per study)", file=sys.stderr)
+            cfg = DecodeConfig(max_new_tokens=s.calibration_tokens)
+            saved = {"key": key, "continuations": [autoregressive(lm.model, p, cfg, lm.eos_ids).tokens for p in calib_ids],
+                     **({"costs": saved["costs"]} if "costs" in saved else {})}
+        if not _costs_fit(saved, space):
+            old = CostModel.from_dict(saved["costs"]) if "costs" in saved else None
+            print("[selfspec] measuring the cost model on this machine", file=sys.stderr)
+            context = calib_ids[0] + saved["continuations"][0]
+            costs = measure_costs(lm.model, context, space.dims.formats(), sorted(set(space.dims.head_tokens)),
+                                  space.dims.longest_verify, s.cost_reps, lm.eos_ids, machine_fingerprint())
+            saved["costs"] = costs.to_dict()
+            if old is not None and old.machine != costs.machine:
+                note["remeasured"] = old.machine
+        study.set_user_attr(CALIBRATION_ATTR, saved)
+        return saved
+
+    saved = claimed_once(storage, s.study_name, "calibration", ready, compute)
+    costs = CostModel.from_dict(saved["costs"])
+    old = note.get("remeasured")
+    cost_note = "cost model measured on this machine" if old is None else (
+        f"cost model re-measured on this machine; trials were re-scored with it "
+        f"(it was measured on {old.get('cpu', '?')}, {old.get('cores', '?')} cores, torch {old.get('torch', '?')})")
+    return saved["continuations"], costs, cost_note
+
+
+def _saved_calibration(study: optuna.Study, storage: str) -> dict:
+    """The study's calibration; for a study of an earlier selfspec, the ``<storage>.calibration.json`` beside it."""
+    saved = study.user_attrs.get(CALIBRATION_ATTR)
+    path = storage_file(storage)
+    if saved is not None or path is None:
+        return saved or {}
+    legacy = path.with_name(path.stem + ".calibration.json")
+    if not legacy.is_file():
+        return {}
+    try:
+        saved = json.loads(legacy.read_text())
+        return saved if isinstance(saved, dict) else {}
+    except (OSError, ValueError):
+        print(f"[selfspec] {legacy} is unreadable (torn?); calibrating again", file=sys.stderr)
+        return {}
+
+
+def study_calibration(storage: str, study_name: str) -> dict:
+    """A study's calibration (``key``: model, prompts, tokens; ``continuations``; ``costs``), for scripts."""
+    try:
+        study = optuna.load_study(study_name=study_name, storage=open_storage(storage))
+    except KeyError:
+        raise SelfSpecError(f"no study {study_name!r} in {storage}") from None
+    saved = _saved_calibration(study, storage)
+    if "continuations" not in saved:
+        raise SelfSpecError(f"study {study_name!r} in {storage} has not been calibrated yet")
+    return saved
+
+
+def _costs_fit(saved: dict, space: SearchSpace) -> bool:
+    """Whether the saved cost model was measured on this machine and covers the space."""
+    if "costs" not in saved:
+        return False
+    old = CostModel.from_dict(saved["costs"])
+    fmts = {weight_format(f) for f in space.dims.formats()}
+    heads = {h for h in space.dims.head_tokens if h}
+    return (old.machine == machine_fingerprint() and fmts <= set(old.draft)
+            and {f"draft_step/{f}" for f in fmts} <= set(old.overhead) and heads <= set(old.head)
+            and max(old.t_verify) >= space.dims.longest_verify)
+
+
+def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: SearchSpace, study: optuna.Study,
+            sim: RoundSimulator, costs: CostModel, cost_note: str, calib_ids: list[list[int]],
+            held_ids: list[list[int]], plans_dir: Path, t_start: float, extra_provenance: dict | None) -> SearchReport:
+    storage = s.storage
     tops = top_drafts(study, space, s.retime.top_n, lm.name, costs if s.objective == "predicted" else None)
     if not tops:
         raise SelfSpecError("no trial finished within the budget; widen min_skipped/max_skipped or run more trials")

@@ -8,27 +8,27 @@ stores its round counts, so that a study resumed on another machine is re-scored
 with that machine's cost model without running the model again
 (:func:`top_drafts`). ``objective=wallclock`` times real runs instead.
 
-Studies live in SQLite: a study interrupted by Ctrl-C or a kill resumes with
-every finished trial kept (trials left RUNNING by a kill are marked FAIL and
-re-run). A study pins what makes its scores comparable (model, calibration,
-space, objective) and refuses another.
+A study lives in SQLite, a journal file or a database (:mod:`selfspec.search.workers`),
+and any number of worker processes may run its trials at once. A study interrupted
+by Ctrl-C or a kill resumes with every finished trial kept (a killed worker's running
+trial is marked FAIL and run again). A study pins what makes its scores comparable
+(model, calibration, space, objective) and refuses another.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
 
 from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
-from selfspec.locks import check_writable
 from selfspec.search.costs import CostModel
 from selfspec.search.simulate import RoundCounts, RoundSimulator
 from selfspec.search.space import SearchSpace
+from selfspec.search.workers import fail_dead_trials, heartbeat, open_storage, running_elsewhere
 
 
 @dataclass
@@ -59,19 +59,19 @@ class PredictedObjective:
         return Evaluation(self.costs.predicted_speedup(counts, spec), counts.acceptance, counts.tokens_per_round, counts)
 
 
-def open_study(storage_path: Path, study_name: str, model: str, sampler: str, seed: int,
+def open_study(storage, study_name: str, model: str, sampler: str, seed: int,
                prune: bool = False) -> optuna.Study:
-    """Create or resume a study stored in SQLite at ``storage_path``."""
-    storage_path = Path(storage_path)
-    check_writable(storage_path.parent, f"the study storage {storage_path.name}")
+    """Create or resume a study in ``storage`` (a path, a URL, or an Optuna storage)."""
+    if not isinstance(storage, optuna.storages.BaseStorage):
+        storage = open_storage(storage)
     samplers = {
-        "tpe": lambda: optuna.samplers.TPESampler(seed=seed, multivariate=True),
+        # constant_liar: workers running at once do not all propose the draft the others are running
+        "tpe": lambda: optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True),
         "random": lambda: optuna.samplers.RandomSampler(seed=seed),
     }
     if sampler not in samplers:
         raise SelfSpecError(f"unknown sampler {sampler!r}; choose from {', '.join(samplers)}")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna.storages.RDBStorage(f"sqlite:///{storage_path}")
     study = optuna.create_study(
         study_name=study_name,
         storage=storage,
@@ -83,10 +83,9 @@ def open_study(storage_path: Path, study_name: str, model: str, sampler: str, se
         load_if_exists=True,
     )
     pin_study_attr(study, "model", model,
-                   f"study {study_name!r} in {storage_path} was made for model {{recorded!r}}, not {model!r}; "
+                   f"study {study_name!r} was made for model {{recorded!r}}, not {model!r}; "
                    "choose another search.study_name")
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        storage.set_trial_state_values(t._trial_id, TrialState.FAIL)  # left by a killed run
+    fail_dead_trials(study)  # left by a killed worker: they run again
     return study
 
 
@@ -124,25 +123,46 @@ def run_search(
     model_name: str | None = None,
     callbacks: list | None = None,
 ) -> None:
-    """Run trials until the study holds ``n_trials`` finished (complete or pruned) trials."""
+    """Run trials until the study holds ``n_trials`` finished (complete or pruned) trials.
+
+    Other workers may run trials of the same study at once: a trial starts only while
+    the finished trials plus the live ones numbered before it stay under the budget, so
+    the workers together never run more than ``n_trials``. A trial that finds the budget
+    taken is closed as FAIL unrun (user attribute ``not_run``); one per worker at most.
+    """
     prunes = isinstance(objective, PredictedObjective)
+    while finished(study) + running_elsewhere(study) < n_trials:
+        trial = study.ask()
+        if finished(study) + running_elsewhere(study, below=trial.number) >= n_trials:
+            trial.set_user_attr("not_run", "the trial budget was taken by other workers")
+            study.tell(trial, state=TrialState.FAIL)
+            return
+        try:
+            with heartbeat(trial):
+                value, state = _run_trial(trial, space, objective, model_name, prunes), TrialState.COMPLETE
+        except optuna.TrialPruned:
+            value, state = None, TrialState.PRUNED
+        except BaseException:  # Ctrl-C, or an error: the trial runs again on resume
+            study.tell(trial, state=TrialState.FAIL)
+            raise
+        frozen = study.tell(trial, value, state=state)
+        for callback in callbacks or []:
+            callback(study, frozen)
+        fail_dead_trials(study)
 
-    def trial_fn(trial: optuna.Trial) -> float:
-        spec = space.suggest(trial, model_name)
-        trial.set_user_attr("n_skipped", spec.plan.n_skipped)
-        trial.set_user_attr("k", spec.k)
-        if not space.within(spec.plan):
-            raise optuna.TrialPruned(f"{spec.plan.n_skipped} sublayers skipped is outside the budget")
-        ev = objective(spec, report=lambda step, value: _report(trial, step, value)) if prunes else objective(spec)
-        trial.set_user_attr("predicted_acceptance", ev.acceptance)
-        trial.set_user_attr("tokens_per_round", ev.tokens_per_round)
-        if ev.counts is not None:
-            trial.set_user_attr("counts", ev.counts.to_dict())
-        return ev.value
 
-    remaining = n_trials - finished(study)
-    if remaining > 0:
-        study.optimize(trial_fn, n_trials=remaining, callbacks=callbacks or [], catch=())
+def _run_trial(trial: optuna.Trial, space: SearchSpace, objective, model_name: str | None, prunes: bool) -> float:
+    spec = space.suggest(trial, model_name)
+    trial.set_user_attr("n_skipped", spec.plan.n_skipped)
+    trial.set_user_attr("k", spec.k)
+    if not space.within(spec.plan):
+        raise optuna.TrialPruned(f"{spec.plan.n_skipped} sublayers skipped is outside the budget")
+    ev = objective(spec, report=lambda step, value: _report(trial, step, value)) if prunes else objective(spec)
+    trial.set_user_attr("predicted_acceptance", ev.acceptance)
+    trial.set_user_attr("tokens_per_round", ev.tokens_per_round)
+    if ev.counts is not None:
+        trial.set_user_attr("counts", ev.counts.to_dict())
+    return ev.value
 
 
 def _report(trial: optuna.Trial, step: int, value: float) -> None:

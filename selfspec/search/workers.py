@@ -1,0 +1,233 @@
+"""Several search processes on one study: storages, worker slots, claims, liveness.
+
+Any number of ``python -m selfspec.search`` processes may share one study, on one
+machine or on many:
+
+- **Storage** (``search.storage``): a file path ending in ``.db`` is SQLite (one
+  machine); a path ending in ``.journal`` is Optuna's journal file (a shared file
+  system); a URL with ``://`` is any database SQLAlchemy reaches (PostgreSQL for a
+  cluster: ``postgresql://user@host/db``).
+- **Worker slots.** Each process takes the lowest free slot ``i`` (creating a
+  marker study is atomic in every storage) and seeds its sampler with ``seed + i``,
+  so workers propose different drafts; the slot is given back on exit.
+- **Claims.** Work done once per study (calibration, writing the draft) is done by
+  the process that creates the claim's marker study; the others wait for its result.
+- **Liveness.** A running trial records its worker (``host:pid``) and a heartbeat
+  every :data:`HEARTBEAT_S` seconds. A trial whose worker is gone (a dead pid on this
+  host, or no heartbeat for :data:`STALE_AFTER_S` seconds from another host) is
+  marked failed and run again; a live worker's trials are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import optuna
+from optuna.exceptions import DuplicatedStudyError
+from optuna.trial import TrialState
+
+from selfspec.errors import SelfSpecError
+from selfspec.locks import check_writable
+
+HEARTBEAT_S = 20.0
+STALE_AFTER_S = 120.0
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
+_MARK = "~"  # marker studies are named <study>~<what>
+
+
+def storage_file(spec: str | Path) -> Path | None:
+    """The file a storage lives in, or None for a database URL."""
+    return None if "://" in str(spec) else Path(spec)
+
+
+def open_storage(spec: str | Path) -> optuna.storages.BaseStorage:
+    """SQLite for ``*.db`` paths, a journal file for ``*.journal``, else the database URL as given."""
+    path = storage_file(spec)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if path is not None:
+        check_writable(path.parent, f"the study storage {path.name}")
+    if path is not None and path.suffix == ".journal":
+        from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+
+        # the open(O_EXCL) lock works on network file systems, where symlinks may not
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
+    url, kwargs = str(spec), {}
+    if path is not None:  # several processes write one SQLite file: wait for its lock instead of failing after 5 s
+        url, kwargs = f"sqlite:///{path}", {"engine_kwargs": {"connect_args": {"timeout": 120}}}
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(url, **kwargs)
+        except Exception as e:  # a bad URL, a missing driver, a server that does not answer
+            error = str(e).splitlines()[0]
+            # workers creating a new database's tables at once collide: the next attempt finds them made
+            if not any(m in error for m in ("IntegrityError", "already exists", "database is locked")):
+                break
+            time.sleep(0.5 + attempt)
+    raise SelfSpecError(f"cannot open the study storage {spec}: {error}")
+
+
+# -- markers: atomic, storage-agnostic ------------------------------------------------------
+
+def _create_marker(storage, name: str) -> bool:
+    try:
+        marker = optuna.create_study(study_name=name, storage=storage)
+    except DuplicatedStudyError:
+        return False
+    marker.set_user_attr("worker", WORKER)
+    marker.set_user_attr("since", time.time())
+    return True
+
+
+def _drop_marker(storage, name: str) -> None:
+    try:
+        optuna.delete_study(study_name=name, storage=storage)
+    except KeyError:
+        pass
+
+
+def _marker_holder(storage, name: str) -> dict | None:
+    try:
+        return optuna.load_study(study_name=name, storage=storage).user_attrs
+    except KeyError:
+        return None
+
+
+def _holder_alive(attrs: dict, stale_after: float = STALE_AFTER_S) -> bool:
+    """Whether the process that wrote ``attrs`` (``worker``, and ``alive_at`` or ``since``) still runs."""
+    worker = attrs.get("worker")
+    if not worker:
+        return True  # being written this instant
+    host, _, pid = worker.rpartition(":")
+    if host == socket.gethostname():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, ValueError):
+            pass
+        return True
+    beat = attrs.get("alive_at", attrs.get("since", 0.0))
+    return time.time() - beat < stale_after
+
+
+@contextmanager
+def worker_slot(storage, study_name: str) -> Iterator[int]:
+    """The lowest free worker slot of the study, held for the block (a dead worker's slot is taken over)."""
+    i = 0
+    while True:
+        name = f"{study_name}{_MARK}worker-{i}"
+        if _create_marker(storage, name):
+            break
+        holder = _marker_holder(storage, name)
+        if holder is not None and not _holder_alive(holder, stale_after=float("inf")):
+            _drop_marker(storage, name)  # left by a killed worker on this host: take it
+            continue
+        i += 1
+    try:
+        yield i
+    finally:
+        _drop_marker(storage, name)
+
+
+def claimed_once(storage, study_name: str, what: str, ready: Callable[[], object | None],
+                 compute: Callable[[], object], poll_s: float = 2.0) -> object:
+    """``ready()`` when it is not None, else ``compute()`` by exactly one of the workers.
+
+    The worker that creates the claim marker computes; the others wait, print once
+    whom they wait for, and take the result; a claim whose holder died is taken over.
+    """
+    name, said = f"{study_name}{_MARK}{what}", False
+    while True:
+        value = ready()
+        if value is not None:
+            return value
+        if _create_marker(storage, name):
+            try:
+                value = ready()  # done by another worker between the check and the claim
+                return value if value is not None else compute()
+            finally:
+                _drop_marker(storage, name)
+        holder = _marker_holder(storage, name)
+        if holder is not None and not _holder_alive(holder):
+            _drop_marker(storage, name)
+            continue
+        if not said and holder is not None:
+            print(f"[selfspec] waiting for {holder.get('worker')} ({what}, once per study)", file=sys.stderr)
+            said = True
+        time.sleep(poll_s)
+
+
+def try_claim(storage, study_name: str, what: str) -> bool:
+    """Claim ``what`` for this worker without waiting; False when a live worker holds it."""
+    name = f"{study_name}{_MARK}{what}"
+    if _create_marker(storage, name):
+        return True
+    holder = _marker_holder(storage, name)
+    if holder is not None and not _holder_alive(holder):
+        _drop_marker(storage, name)
+        return _create_marker(storage, name)
+    return False
+
+
+def release(storage, study_name: str, what: str) -> None:
+    _drop_marker(storage, f"{study_name}{_MARK}{what}")
+
+
+def is_marker(study_name: str) -> bool:
+    return _MARK in study_name
+
+
+# -- trial liveness -------------------------------------------------------------------------
+
+@contextmanager
+def heartbeat(trial: optuna.Trial) -> Iterator[None]:
+    """Record this worker on ``trial`` and keep its heartbeat fresh while the block runs."""
+    trial.set_user_attr("worker", WORKER)
+    trial.set_user_attr("alive_at", time.time())
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                trial.set_user_attr("alive_at", time.time())
+            except Exception:  # the storage is busy or gone; the main thread will hear of it
+                pass
+
+    thread = threading.Thread(target=beat, name="selfspec-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _trial_alive(t: optuna.trial.FrozenTrial) -> bool:
+    attrs = dict(t.user_attrs)
+    if "worker" not in attrs and t.datetime_start is not None:
+        attrs["since"] = t.datetime_start.timestamp()  # asked but not yet started, or an older selfspec's
+        return time.time() - attrs["since"] < STALE_AFTER_S
+    return _holder_alive(attrs)
+
+
+def fail_dead_trials(study: optuna.Study) -> int:
+    """Mark failed the running trials whose worker is gone; return how many."""
+    n = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if not _trial_alive(t):
+            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            n += 1
+    return n
+
+
+def running_elsewhere(study: optuna.Study, below: int | None = None) -> int:
+    """Running trials of live workers (only those numbered below ``below`` when given)."""
+    return sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+               if (below is None or t.number < below) and _trial_alive(t))
