@@ -17,3 +17,10 @@ class AssetError(SelfSpecError):
 
 class PlanError(SelfSpecError):
     """A skip plan does not fit the model it is used with."""
+
+
+class RunRefused(SelfSpecError):
+    """A run folder or study that holds valid results refused this run (another setting, another writer).
+
+    The folder is left exactly as it was: no ``FAILED`` marker, no rewritten config.
+    """

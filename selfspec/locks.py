@@ -2,6 +2,8 @@
 
 :func:`check_writable` fails before long work, not after it, when a folder cannot be written.
 :func:`exclusive` takes an exclusive, non-blocking lock on a file beside what is written.
+:func:`waiting` takes the same lock but waits for it (the download cache: the first of
+several jobs fetches, the others wait and then find the file there).
 
 A run folder's ``samples.jsonl`` and a study's storage each get a ``.lock`` file; a second
 process that tries to write the same results while the first holds it gets one clear error
@@ -13,11 +15,12 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from selfspec.errors import SelfSpecError
+from selfspec.errors import RunRefused, SelfSpecError
 
 
 def check_writable(folder: Path, what: str) -> None:
@@ -31,20 +34,39 @@ def check_writable(folder: Path, what: str) -> None:
         raise SelfSpecError(f"cannot write {what} at {folder}: {e.strerror or e}") from None
 
 
-@contextmanager
-def exclusive(target: Path, what: str) -> Iterator[None]:
-    """Hold ``<target>.lock`` for the block; raise :class:`SelfSpecError` when another process holds it."""
+def _open_lock(target: Path, what: str) -> int:
     lock = target.with_name(target.name + ".lock")
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         raise SelfSpecError(f"cannot write {what} (at {lock.parent}): {e.strerror or e}") from None
+
+
+@contextmanager
+def waiting(target: Path, what: str) -> Iterator[None]:
+    """Hold ``<target>.lock`` for the block, waiting (and saying so once) while another process holds it."""
+    fd = _open_lock(target, what)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise SelfSpecError(f"{what} is being written by another process (lock {lock}); "
+            print(f"[selfspec] waiting for another process to finish {what}", file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def exclusive(target: Path, what: str) -> Iterator[None]:
+    """Hold ``<target>.lock`` for the block; raise :class:`SelfSpecError` when another process holds it."""
+    fd = _open_lock(target, what)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunRefused(f"{what} is being written by another process (lock {target.name}.lock); "
                                 "wait for it to finish, or write elsewhere") from None
         yield
     finally:

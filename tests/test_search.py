@@ -334,3 +334,26 @@ def test_storage_urls_and_bad_ones(tmp_path):
     assert study.study_name == "x" and (tmp_path / "u.db").is_file()
     with pytest.raises(SelfSpecError, match="cannot open the study storage nosuchdriver://"):
         workers.open_storage("nosuchdriver://host/db")
+
+
+def test_ctrl_c_during_the_search_is_one_clean_message(tmp_path):
+    db = tmp_path / "optuna" / "study.db"
+    proc = _cli(tmp_path, "logger=none", "search.n_trials=400")
+    deadline, done = time.time() + 120, 0
+    while time.time() < deadline and done < 3:
+        time.sleep(0.3)
+        try:
+            with sqlite3.connect(db) as con:
+                done = con.execute("select count(*) from trials where state='COMPLETE'").fetchone()[0]
+        except sqlite3.OperationalError:
+            pass
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted: finished trials are saved" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+
+
+def test_a_misspelt_new_key_is_refused(tmp_path):
+    p = _cli(tmp_path, "logger=none", "+serch.n_trials=3")
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and "search has no 'serch' (did you mean search?)" in err

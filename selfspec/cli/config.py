@@ -61,6 +61,28 @@ def default_model() -> str:
     raise SelfSpecError("conf/base.yaml names no default model")
 
 
+def check_new_keys(config_name: str, overrides: list[str]) -> None:
+    """Refuse a ``+key=value`` override whose first part is no setting of ``conf/<config_name>.yaml``.
+
+    Hydra adds such keys without a word, so ``+decodng.k=2`` would run with the default k.
+    A config group (``+experiment=main``) and a key added under a known setting
+    (``+method_options.x.y=1``) are fine.
+    """
+    import difflib
+
+    known = {"hydra"} | {p.name for p in conf_dir().iterdir() if p.is_dir()}
+    for name in (config_name, "base"):
+        known |= {k for k in (yaml.safe_load((conf_dir() / f"{name}.yaml").read_text()) or {}) if k != "defaults"}
+    for o in overrides:
+        if not o.startswith("+") or o.startswith("++"):
+            continue
+        head = o[1:].split("=", 1)[0].split(".", 1)[0].split("@", 1)[0]
+        if head not in known:
+            close = difflib.get_close_matches(head, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise SelfSpecError(f"unknown setting in {o!r}: {config_name} has no {head!r}{hint}")
+
+
 def plain(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 

@@ -7,25 +7,25 @@
 Results: ``<run folder>/samples.jsonl`` (header + one row per sample and method),
 ``<run folder>/summary.json`` and, with ``logger=wandb``, an offline W&B run in
 the same folder. A failed job prints its error, closes its W&B run as failed
-and lets the rest of a sweep go on; a single run exits with status 2.
+and lets the rest of a sweep go on (the sweep then exits with status 1 and lists
+the failed jobs); a single run exits with status 2.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import traceback
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from selfspec import SelfSpecError, SkipPlan
 from selfspec.assets.data import load_task_set
 from selfspec.assets.models import load_model
-from selfspec.cli.config import conf_dir, dataset_config, decode_config, draft_options, plain
+from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, decode_config, draft_options, plain
+from selfspec.cli.jobs import job_failed, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
 from selfspec.draft.spec import DraftSpec
 from selfspec.eval.methods import build_method
@@ -38,6 +38,8 @@ TABLE_COLUMNS = ["sample_id", "method", "turns", "prompt_tokens", "new_tokens", 
 
 
 def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
+    check_new_keys("evaluate", list(HydraConfig.get().overrides.task))
+    set_threads(cfg)
     tasks = load_task_set(dataset_config(cfg), cfg.model.cache_dir)
     methods = list(cfg.methods)
     spec = None
@@ -50,7 +52,6 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
             raise SelfSpecError(f"no draft file at {plan_path}: run `python -m selfspec.search model={cfg.model.name}` "
                                 "first, or set plan=<file> (or plan=empty)")
         spec = DraftSpec.load(plan_path)
-        logger.artifact(plan_path, f"draft-{plan_path.stem}", "draft")
     plan = spec.plan if spec is not None else None
     dcfg = decode_config(cfg, tasks.max_new_tokens, spec)
     options = plain(cfg.method_options)
@@ -63,12 +64,21 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
     settings = EvalSettings(out_path=out_dir / "samples.jsonl", baseline=cfg.baseline, n_samples=cfg.n_samples,
                             warmup_tokens=cfg.warmup_tokens)
     rows = evaluate(lm, tasks, built, settings, header,
-                    on_sample=lambda new: logger.log({f"{r['method']}/tokens_per_s": r["tokens_per_s"] for r in new}))
+                    on_sample=lambda new: logger.log({f"{r['method']}/tokens_per_s": r["tokens_per_s"] for r in new}),
+                    on_accepted=lambda: _accepted(cfg, out_dir, logger, spec))
     summary = summarize(rows, cfg.baseline)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.table("samples", rows, TABLE_COLUMNS)
     logger.summary({f"{m}/{k}": v for m, s in summary.items() for k, v in s.items() if not isinstance(v, list)})
     return summary
+
+
+def _accepted(cfg: DictConfig, out_dir: Path, logger: WandbLogger, spec: DraftSpec | None) -> None:
+    """The run folder took this run: record its config, start its W&B run."""
+    save_config(cfg, out_dir)
+    logger.start()
+    if spec is not None and cfg.plan != "empty":
+        logger.artifact(cfg.plan, f"draft-{Path(cfg.plan).stem}", "draft")
 
 
 def print_summary(summary: dict, baseline: str) -> None:
@@ -82,7 +92,6 @@ def print_summary(summary: dict, baseline: str) -> None:
 @hydra.main(config_path=str(conf_dir()), config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     logger = WandbLogger(plain(cfg.logger), "evaluate",
                          plain(cfg),
                          name=f"{cfg.name}/{cfg.model.name}/{cfg.dataset.name}/{out_dir.name}")
@@ -96,14 +105,10 @@ def main(cfg: DictConfig) -> None:
         logger.finish(failed=True)
         print("\ninterrupted: finished samples are saved; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
-    except Exception as e:  # a failed job closes its run; a sweep goes on with the next job
+    except Exception as e:  # a failed job closes its run; a sweep goes on with the next job, and exits 1 at the end
         logger.finish(failed=True)
-        msg = str(e) if isinstance(e, SelfSpecError) else "".join(traceback.format_exception(e))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "FAILED").write_text(msg + "\n")
-        print(f"error in {out_dir}: {msg}", file=sys.stderr)
-        if not multirun:
-            sys.exit(2)
+        job_failed(e, out_dir)
+
 
 if __name__ == "__main__":
     main()

@@ -14,18 +14,19 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from selfspec.assets.data import prompt_set_from_config
 from selfspec.assets.models import load_model
-from selfspec.cli.config import conf_dir, dataset_config, plain, search_settings
+from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, plain, search_settings
+from selfspec.cli.jobs import job_failed, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
-from selfspec.errors import SelfSpecError
 from selfspec.search.pipeline import format_report, search
 
 
 def _logger(cfg: DictConfig) -> WandbLogger:
-    return WandbLogger(plain(cfg.logger), "search", plain(cfg), name=f"search-{cfg.search.study_name}")
+    return WandbLogger(plain(cfg.logger), "search", plain(cfg), name=f"search-{cfg.search.study_name}").start()
 
 
 def _on_trial(logger: WandbLogger):
@@ -38,11 +39,15 @@ def _on_trial(logger: WandbLogger):
 
 @hydra.main(config_path=str(conf_dir()), config_name="search", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
     logger = None
     try:
+        check_new_keys("search", list(HydraConfig.get().overrides.task))
+        set_threads(cfg)
         settings = search_settings(cfg)
         prompts = prompt_set_from_config(dataset_config(cfg), cfg.model.cache_dir)
         lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)
+        save_config(cfg, out_dir)
         logger = _logger(cfg)
         report = search(lm, prompts, settings, on_trial=_on_trial(logger),
                         extra_provenance={"config": plain(cfg)})
@@ -53,16 +58,15 @@ def main(cfg: DictConfig) -> None:
         logger.summary({k: v for k, v in report.to_dict().items() if k not in ("draft", "candidates", "ablation")})
         logger.artifact(report.plan_path, f"draft-{Path(report.plan_path).stem}", "draft")
         logger.finish()
-    except SelfSpecError as e:
-        if logger:
-            logger.finish(failed=True)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     except KeyboardInterrupt:
         if logger:
             logger.finish(failed=True)
         print("\ninterrupted: finished trials are saved; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
+    except Exception as e:  # one line for a user error; a sweep goes on with its next job and exits 1 at the end
+        if logger:
+            logger.finish(failed=True)
+        job_failed(e, out_dir)
 
 
 if __name__ == "__main__":

@@ -13,22 +13,30 @@ class WandbLogger:
     uploaded later with ``wandb sync``. ``logger=none`` (or ``mode: disabled``)
     makes every call a no-op. ``finish(failed=True)`` closes a run with a
     non-zero exit code, so a failed job in a sweep leaves a closed run behind.
+    Nothing is written before :meth:`start` (an evaluation starts its run once
+    its run folder has accepted it; calls before that are dropped).
     """
 
     def __init__(self, logger_cfg: dict, job: str, config: dict, name: str | None = None,
                  dir: str | Path | None = None) -> None:
         self.run = None
+        self._init = None
         if logger_cfg.get("name") != "wandb" or logger_cfg.get("mode") == "disabled":
             return
+        self._init = dict(project=logger_cfg["project"], entity=logger_cfg.get("entity"), mode=logger_cfg["mode"],
+                          dir=Path(dir or logger_cfg["dir"]), job_type=job, name=name,
+                          tags=list(logger_cfg.get("tags") or ()), config=config)
+
+    def start(self) -> WandbLogger:
+        if self._init is None or self.run is not None:
+            return self
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
-        root = Path(dir or logger_cfg["dir"])
-        root.mkdir(parents=True, exist_ok=True)
+        self._init["dir"].mkdir(parents=True, exist_ok=True)
         self.wandb = wandb
-        self.run = wandb.init(project=logger_cfg["project"], entity=logger_cfg.get("entity"),
-                              mode=logger_cfg["mode"], dir=str(root), job_type=job, name=name,
-                              tags=list(logger_cfg.get("tags") or ()), config=config, reinit="finish_previous")
+        self.run = wandb.init(**{**self._init, "dir": str(self._init["dir"])}, reinit="finish_previous")
+        return self
 
     def log(self, metrics: dict) -> None:
         if self.run is not None:

@@ -86,7 +86,12 @@ class SkipPlan:
         return cls(num_layers=num_layers, attn=layers, mlp=layers, model=model)
 
     def check_model(self, num_layers: int, model: str | None = None) -> None:
-        """Raise :class:`PlanError` unless the plan fits a model with ``num_layers`` layers."""
+        """Raise :class:`PlanError` unless the plan fits a model with ``num_layers`` layers (named ``model``)."""
+        if model and self.model and model != self.model:
+            raise PlanError(
+                f"this plan was made for model {self.model!r}, not {model!r} (a plan of another model of the "
+                f"same depth would run, but draft poorly); search a plan for {model}"
+            )
         if num_layers != self.num_layers:
             made_for = f" ({self.model})" if self.model else ""
             raise PlanError(

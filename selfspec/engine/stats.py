@@ -17,19 +17,27 @@ import torch
 
 
 class Clock:
-    """Monotonic wall clock that waits for queued device work before reading.
+    """Monotonic clock in seconds that covers the device work queued before each reading.
 
-    On CPU this is ``time.perf_counter``; on CUDA it synchronizes first, so
-    a reading covers the kernels launched before it.
+    On CPU this is ``time.perf_counter``. On CUDA a reading records a CUDA event on
+    the current stream, waits for it, and returns its time since the clock's first
+    event, so a reading covers the kernels launched before it. (No GPU was available
+    to this project: the CUDA branch is untested.)
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.cuda = torch.device(device).type == "cuda"
+        self._origin = None
 
     def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        event.synchronize()
+        if self._origin is None:
+            self._origin = event
+        return self._origin.elapsed_time(event) / 1000.0
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -148,6 +148,12 @@ def build_method(name: str, lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan |
     """Build method ``name``; ``options`` are the method's own settings (``method_options.<name>``)."""
     if name not in BUILDERS:
         raise SelfSpecError(f"unknown method {name!r}; choose from {', '.join(BUILDERS)}")
+    if plan is not None:
+        plan.check_model(lm.num_layers, lm.name)
+    device = next(lm.model.parameters()).device
+    if cfg.packed_weights and name in OUR_METHODS and device.type != "cpu":
+        raise SelfSpecError(f"decoding.packed_weights uses CPU (oneDNN) kernels and the model is on {device}; "
+                            "set decoding.packed_weights=false there")
     if cfg.packed_only and name not in OUR_METHODS:
         raise SelfSpecError(f"method {name} runs the model as loaded, but packed_only frees its dense weights; "
                             "run it in a separate run without decoding.packed_only")

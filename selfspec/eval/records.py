@@ -75,6 +75,20 @@ def read_jsonl(path: Path) -> tuple[dict | None, list[dict]]:
     return header, rows
 
 
+def skipped_samples(path: Path) -> dict[str, str]:
+    """Samples a run skipped (``type: skipped`` rows: a prompt too long for the model, an empty turn), with why."""
+    out = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("type") == "skipped":
+                out[row["sample_id"]] = row.get("reason", "")
+    return out
+
+
 def repair_torn_tail(path: Path) -> bool:
     """Cut a partial last line (no closing newline) off ``path``; True when there was one."""
     if not path.is_file() or path.stat().st_size == 0:

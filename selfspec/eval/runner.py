@@ -23,12 +23,12 @@ from tqdm.auto import tqdm
 
 from selfspec.assets.data import Sample, TaskSet
 from selfspec.assets.models import LoadedModel, encode_chat
-from selfspec.engine.decoding import Generation
+from selfspec.engine.decoding import Generation, context_length
 from selfspec.engine.stats import DecodeStats
-from selfspec.errors import SelfSpecError
+from selfspec.errors import RunRefused, SelfSpecError
 from selfspec.eval.harness import rotated, warm_up
 from selfspec.eval.methods import Method
-from selfspec.eval.records import decode_record, read_jsonl, repair_torn_tail, sample_row
+from selfspec.eval.records import decode_record, read_jsonl, repair_torn_tail, sample_row, skipped_samples
 from selfspec.locks import exclusive
 
 
@@ -68,8 +68,14 @@ def _peak_rss_bytes() -> int:
 
 
 def evaluate(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings: EvalSettings, header: dict,
-             on_sample: Callable[[list[dict]], None] | None = None) -> list[dict]:
-    """Run every method on every eval sample (resuming a partial file); returns all rows."""
+             on_sample: Callable[[list[dict]], None] | None = None,
+             on_accepted: Callable[[], None] | None = None) -> list[dict]:
+    """Run every method on every eval sample (resuming a partial file); returns all rows.
+
+    ``on_accepted`` is called once the run folder has been accepted (new, or holding rows of
+    these very settings) and before anything is decoded or written; a folder refused
+    (:class:`~selfspec.errors.RunRefused`) is left untouched.
+    """
     if not methods:
         raise SelfSpecError("no methods to evaluate")
     names = [m.name for m in methods]
@@ -94,41 +100,50 @@ def evaluate(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings: E
     fingerprint = json.loads(json.dumps(fingerprint))  # the form it has when read back
     path = settings.out_path
     with exclusive(path, f"the run folder {path.parent}"):
-        return _write_rows(lm, tasks, methods, settings, header, on_sample, fingerprint)
+        return _write_rows(lm, tasks, methods, settings, header, on_sample, on_accepted, fingerprint)
 
 
 def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings: EvalSettings, header: dict,
-                on_sample, fingerprint: dict) -> list[dict]:
+                on_sample, on_accepted, fingerprint: dict) -> list[dict]:
     """The body of :func:`evaluate`, run while its lock on the results file is held."""
     path, names = settings.out_path, [m.name for m in methods]
     samples = list(tasks.eval[: settings.n_samples])
     repair_torn_tail(path)  # a kill mid-write leaves a partial last line: drop it before appending
     old_header, rows = read_jsonl(path)
     if old_header is not None and old_header.get("fingerprint") != fingerprint:
-        raise SelfSpecError(
+        raise RunRefused(
             f"{path} holds results of another setting (model, dataset, methods, decoding or plan differ); "
             "choose another output folder or delete the file to start over"
         )
     done: dict[str, set[str]] = {}
     for r in rows:
         done.setdefault(r["sample_id"], set()).add(r["method"])
-    todo = [s for s in samples if not set(names) <= done.get(s.id, set())]
+    skipped = skipped_samples(path)
+    todo = [s for s in samples if not set(names) <= done.get(s.id, set()) and s.id not in skipped]
     path.parent.mkdir(parents=True, exist_ok=True)
+    if on_accepted:
+        on_accepted()
     if old_header is None:
         head = {"type": "header", "fingerprint": fingerprint, "baseline": settings.baseline,
                 "extra_memory_bytes": {m.name: m.extra_memory_bytes for m in methods}, **header}
         path.write_text(json.dumps(head) + "\n", encoding="utf-8")
     elif todo:
         print(f"resuming {path}: {len(samples) - len(todo)} of {len(samples)} samples already done", file=sys.stderr)
-    if todo:
-        warm = encode_chat(lm.tokenizer, [{"role": "user", "content": todo[0].turns[0]}])
+    warm = _warm_up_prompt(lm, todo, methods[0].cfg.max_new_tokens)
+    if warm is not None:
         warm_up({m.name: m.generate for m in methods}, warm, min(settings.warmup_tokens, methods[0].cfg.max_new_tokens))
     bar = tqdm(todo, desc=f"{lm.name} / {tasks.name}", unit="sample", file=sys.stderr)
     for i, sample in enumerate(bar):
         new_rows = []
-        for m in rotated(methods, i):
-            gen, texts = run_sample(m, lm, sample)
-            new_rows.append(sample_row(sample, m.name, gen, texts))
+        try:
+            for m in rotated(methods, i):
+                gen, texts = run_sample(m, lm, sample)
+                new_rows.append(sample_row(sample, m.name, gen, texts))
+        except SelfSpecError as e:  # this sample cannot be decoded (too long for the model, an empty turn)
+            print(f"[selfspec] sample {sample.id} skipped: {e}", file=sys.stderr)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"type": "skipped", "sample_id": sample.id, "reason": str(e)}) + "\n")
+            continue
         new_rows.sort(key=lambda r: names.index(r["method"]))
         for r in new_rows:
             r["peak_rss_bytes"] = _peak_rss_bytes()
@@ -138,4 +153,21 @@ def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings
         bar.set_postfix({r["method"][:12]: f"{r['tokens_per_s']:.1f}t/s" for r in new_rows})
         if on_sample:
             on_sample(new_rows)
+    skipped = skipped_samples(path)
+    if skipped:
+        print(f"[selfspec] {len(skipped)} sample(s) skipped, not in the results: {', '.join(sorted(skipped))}",
+              file=sys.stderr)
     return [r for r in rows if r["sample_id"] in {s.id for s in samples}]
+
+
+def _warm_up_prompt(lm: LoadedModel, todo: list[Sample], max_new_tokens: int) -> list[int] | None:
+    """The first turn of the first sample that fits the model's context (None when none does)."""
+    n_ctx = context_length(lm.model)
+    for sample in todo:
+        try:
+            ids = encode_chat(lm.tokenizer, [{"role": "user", "content": sample.turns[0]}])
+        except SelfSpecError:
+            continue
+        if ids and (n_ctx is None or len(ids) + max_new_tokens <= n_ctx):
+            return ids
+    return None

@@ -9,7 +9,9 @@ speedup over the run's baseline and the share of samples whose output equals
 the baseline's. Figures (PNG, ``--figures``): speedup and acceptance versus
 the number of skipped sublayers, acceptance by draft position, and the
 search history of every Optuna study under ``--studies``. Every number is
-computed here from the raw rows; nothing is typed by hand.
+computed here from the raw rows; nothing is typed by hand. A run whose folder
+holds ``FAILED`` is listed as "(failed, partial)" and left out of the method
+comparison.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def load_runs(root: Path) -> list[Run]:
             continue
         rel = path.parent.relative_to(root).parts
         variant = "/".join(rel[3:]) or "default"
+        if (path.parent / "FAILED").is_file():  # its last attempt failed: its rows are partial, and not a headline
+            variant += " (failed, partial)"
         runs.append(Run(rel[0], header["model"], header["dataset"], variant, header, rows))
     return runs
 

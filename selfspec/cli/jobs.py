@@ -1,0 +1,105 @@
+"""What every Hydra job of selfspec does the same way: threads, its config record, failure.
+
+- :func:`set_threads`: ``threads`` in the config, else, under a parallel launcher, the
+  cores divided among the jobs that run at once (joblib: ``n_jobs``; submitit:
+  ``cpus_per_task``), so that parallel jobs do not fight over cores.
+- :func:`save_config`: ``.hydra/`` is written by us, once the run folder has accepted
+  the run (``hydra.output_subdir: null`` in the configs): a refused resume leaves the
+  folder's record of what ran as it was.
+- :func:`job_failed`: one line, a ``FAILED`` marker beside the job's results (not for a
+  refused run: its folder holds valid results), a line in the sweep's ``FAILED_JOBS``;
+  a single run exits with status 2, a sweep goes on.
+- :class:`FailedJobs` (``hydra.callbacks``): a sweep whose jobs failed ends with their
+  list and exit status 1, whatever launcher ran them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from selfspec.errors import RunRefused, SelfSpecError
+
+FAILED_JOBS = "FAILED_JOBS"  # one line per failed job of a sweep: time, job folder, first line of the error
+
+
+def is_multirun() -> bool:
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def set_threads(cfg: DictConfig) -> int:
+    """Set torch's thread count for this job; returns it."""
+    n = cfg.get("threads")
+    if n is None and is_multirun():
+        launcher = HydraConfig.get().launcher
+        target = str(launcher.get("_target_", ""))
+        if "joblib" in target:
+            jobs = launcher.get("n_jobs") or 1
+            n = max(1, (os.cpu_count() or 1) // (jobs if jobs > 0 else (os.cpu_count() or 1)))
+        elif "submitit" in target and launcher.get("cpus_per_task"):
+            n = int(launcher.cpus_per_task)
+    if n is not None:
+        if not isinstance(n, int) or n < 1:
+            raise SelfSpecError(f"threads must be an integer >= 1 (or null), got {n!r}")
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def save_config(cfg: DictConfig, out_dir: Path) -> None:
+    """Write the job's composed config, Hydra's config and the overrides to ``<out_dir>/.hydra/``."""
+    hc = HydraConfig.get()
+    folder = out_dir / ".hydra"
+    folder.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, folder / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.to_container(hc, resolve=False)}), folder / "hydra.yaml")
+    OmegaConf.save(OmegaConf.create(list(hc.overrides.task)), folder / "overrides.yaml")
+
+
+def job_failed(error: BaseException, out_dir: Path) -> None:
+    """Report a failed job (see the module text); returns in a sweep, exits with 2 in a single run."""
+    msg = str(error) if isinstance(error, SelfSpecError) else "".join(traceback.format_exception(error))
+    print(f"error: {msg}" if not is_multirun() else f"error in {out_dir}: {msg}", file=sys.stderr)
+    if not isinstance(error, RunRefused):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "FAILED").write_text(msg + "\n")
+    if not is_multirun():
+        sys.exit(2)
+    sweep = Path(HydraConfig.get().sweep.dir)
+    sweep.mkdir(parents=True, exist_ok=True)
+    first = msg.strip().splitlines()[0] if msg.strip() else type(error).__name__
+    with open(sweep / FAILED_JOBS, "a", encoding="utf-8") as f:  # one short append: whole lines from many jobs
+        f.write(f"{time.time():.3f}\t{out_dir}\t{first}\n")
+
+
+class FailedJobs(Callback):
+    """Exit status 1 at the end of a sweep in which a job failed, with the failed jobs listed."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self.started = time.time()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        path = Path(config.hydra.sweep.dir) / FAILED_JOBS
+        if not path.is_file():
+            return
+        failed = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            stamp, _, rest = line.partition("\t")
+            try:
+                if float(stamp) >= self.started - 1.0:
+                    failed.append(rest.replace("\t", ": ", 1))
+            except ValueError:
+                continue
+        if failed:
+            print(f"\n{len(failed)} job(s) of this sweep failed (the others finished):", file=sys.stderr)
+            for f in failed:
+                print(f"  {f}", file=sys.stderr)
+            sys.exit(1)
