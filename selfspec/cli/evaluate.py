@@ -92,21 +92,23 @@ def print_summary(summary: dict, baseline: str) -> None:
 @hydra.main(config_path=str(conf_dir()), config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    logger = WandbLogger(plain(cfg.logger), "evaluate",
-                         plain(cfg),
-                         name=f"{cfg.name}/{cfg.model.name}/{cfg.dataset.name}/{out_dir.name}")
+    logger = None
     try:
+        logger = WandbLogger(plain(cfg.logger), "evaluate", plain(cfg),
+                             name=f"{cfg.name}/{cfg.model.name}/{cfg.dataset.name}/{out_dir.name}")
         summary = run(cfg, out_dir, logger)
         (out_dir / "FAILED").unlink(missing_ok=True)  # a rerun that succeeds clears an earlier failure
         print(f"{cfg.model.name} / {cfg.dataset.name} -> {out_dir}")
         print_summary(summary, cfg.baseline)
         logger.finish()
     except KeyboardInterrupt:
-        logger.finish(failed=True)
+        if logger:
+            logger.finish(failed=True)
         print("\ninterrupted: finished samples are saved; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
     except Exception as e:  # a failed job closes its run; a sweep goes on with the next job, and exits 1 at the end
-        logger.finish(failed=True)
+        if logger:
+            logger.finish(failed=True)
         job_failed(e, out_dir)
 
 

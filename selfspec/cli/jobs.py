@@ -9,8 +9,9 @@
 - :func:`job_failed`: one line, a ``FAILED`` marker beside the job's results (not for a
   refused run: its folder holds valid results), a line in the sweep's ``FAILED_JOBS``;
   a single run exits with status 2, a sweep goes on.
-- :class:`FailedJobs` (``hydra.callbacks``): a sweep whose jobs failed ends with their
-  list and exit status 1, whatever launcher ran them.
+- :class:`JobGuard` (``hydra.callbacks``): a run or sweep folder that cannot be written
+  is one line and exit status 2 before anything runs; a sweep whose jobs failed ends with
+  their list and exit status 1, whatever launcher ran them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.errors import RunRefused, SelfSpecError
+from selfspec.locks import check_writable
 
 FAILED_JOBS = "FAILED_JOBS"  # one line per failed job of a sweep: time, job folder, first line of the error
 
@@ -80,10 +82,22 @@ def job_failed(error: BaseException, out_dir: Path) -> None:
         f.write(f"{time.time():.3f}\t{out_dir}\t{first}\n")
 
 
-class FailedJobs(Callback):
-    """Exit status 1 at the end of a sweep in which a job failed, with the failed jobs listed."""
+def _writable_or_exit(folder: str, what: str) -> None:
+    try:
+        check_writable(Path(folder), what)
+    except SelfSpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)  # (SystemExit passes through Hydra: no traceback)
+
+
+class JobGuard(Callback):
+    """Checks the run or sweep folder before any job; exit status 1 at the end of a sweep in which a job failed."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        _writable_or_exit(config.hydra.run.dir, "the run folder (hydra.run.dir)")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        _writable_or_exit(config.hydra.sweep.dir, "the sweep folder (hydra.sweep.dir)")
         self.started = time.time()
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from selfspec.locks import check_writable
+
 
 class WandbLogger:
     """W&B logging for the entry points (search, evaluation).
@@ -23,6 +25,7 @@ class WandbLogger:
         self._init = None
         if logger_cfg.get("name") != "wandb" or logger_cfg.get("mode") == "disabled":
             return
+        check_writable(Path(dir or logger_cfg["dir"]), "the W&B folder (logger.dir)")
         self._init = dict(project=logger_cfg["project"], entity=logger_cfg.get("entity"), mode=logger_cfg["mode"],
                           dir=Path(dir or logger_cfg["dir"]), job_type=job, name=name,
                           tags=list(logger_cfg.get("tags") or ()), config=config)

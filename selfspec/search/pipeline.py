@@ -137,13 +137,13 @@ class SearchReport:
 
 
 class _Progress:
-    """Optuna callback: a tqdm bar with the best predicted speedup and its acceptance."""
+    """Optuna callback: a tqdm bar of the study's finished trials, with the best predicted speedup and its acceptance."""
 
     def __init__(self, total: int, done: int) -> None:
         self.bar = tqdm(total=total, initial=done, desc="search", unit="trial", file=sys.stderr)
 
     def __call__(self, study: optuna.Study, trial) -> None:
-        self.bar.update(1)
+        self.bar.update(max(1, finished(study) - self.bar.n))  # the study's count: other workers' trials too
         try:
             best = study.best_trial
             acc = best.user_attrs.get("predicted_acceptance", float("nan"))
