@@ -201,6 +201,31 @@ def test_a_misspelt_new_key_is_refused_not_ignored(tmp_path, tiny_plan):
     assert not (tmp_path / "run" / "samples.jsonl").exists()
 
 
+def test_the_paired_bootstrap_on_a_fixed_sample():
+    from selfspec.eval.records import paired_bootstrap
+
+    mine = [_row("a", "m", 10, 1.0), _row("b", "m", 10, 1.0)]
+    base = [_row("a", "b", 10, 2.0), _row("b", "b", 10, 4.0)]
+    # draws: {a,a} 2x (1/4), {a,b} 3x (1/2), {b,b} 4x (1/4): the 2.5% and 97.5% points are 2x and 4x
+    assert paired_bootstrap(mine, base) == pytest.approx((2.0, 4.0))
+    assert paired_bootstrap(mine, base) == paired_bootstrap(mine, base)  # seeded
+    assert all(math.isnan(x) for x in paired_bootstrap(mine[:1], base))  # one pair: no interval
+
+
+def test_tables_name_the_kernels_and_older_transformers_rows_ran_stock(tmp_path):
+    head = {"type": "header", "model": "m", "dataset": "d", "baseline": "autoregressive",
+            "fingerprint": {"methods": ["autoregressive", "hf_generate", "hf_prompt_lookup"],
+                            "decode": {m: {"k": 3, "packed_weights": True} for m in ("autoregressive", "hf_generate",
+                                                                                      "hf_prompt_lookup")},
+                            "method_info": {"hf_prompt_lookup": {"kernels": "packed"}}}}
+    rows = [_row(i, m, 10, 1.0) for i in ("a", "b") for m in head["fingerprint"]["methods"]]
+    f = tmp_path / "runs" / "exp" / "m" / "d" / "samples.jsonl"
+    f.parent.mkdir(parents=True)
+    f.write_text("".join(json.dumps(r) + "\n" for r in [head] + rows))
+    got = {r["method"]: r["kernels"] for r in write_tables(load_runs(tmp_path / "runs"), tmp_path / "t")["exp"]}
+    assert got == {"autoregressive": "packed", "hf_generate_stock": "stock", "hf_prompt_lookup": "packed"}
+
+
 def test_tables_mark_a_failed_partial_run(tmp_path, tiny_plan):
     runs = tmp_path / "runs"
     run = runs / "x" / "tiny-llama" / "tiny"
@@ -275,14 +300,14 @@ def test_table_builder_numbers(tmp_path, row_format):
     assert sp["extra_memory_mb"] == 2.0
     csv_lines = (tmp_path / "tables" / "exp.csv").read_text().splitlines()
     assert csv_lines[0].startswith("model,dataset,variant,method") and len(csv_lines) == 3
-    assert "| m | d | default | self_speculative | 2 | 1 | 2 | 3 | 0.67 | 2.71 | 13.33 | 2.00x | 0.50 |" in \
+    assert "| m | d | default | self_speculative | stock | 2 | 1 | 2 | 3 | 0.67 | 2.71 | 13.33 | 2.00x ±0.00 | 0.50 |" in \
         (tmp_path / "tables" / "exp.md").read_text()
     assert not math.isnan(sp["ttft_s"])
     (cmp_row,) = method_comparison(by_exp, ["exp"])
     assert cmp_row["self_speculative"] == pytest.approx(2.0) and cmp_row["self_speculative_match"] == 0.5
     write_method_comparison([cmp_row], ["autoregressive", "self_speculative"], tmp_path / "tables" / "methods")
     methods_md = (tmp_path / "tables" / "methods.md").read_text()
-    assert "| m | d | 1.00x | 2.00x | 0.67 | 0.50 |" in methods_md
+    assert "| m | d | 1.00x | 2.00x ±0.00 | 0.67 | 0.50 |" in methods_md
     assert "- from run `exp` (over the autoregressive loop of that run): autoregressive, self_speculative" in methods_md
     # a later experiment's number replaces an earlier one's, and the note says where each came from
     later = [dict(r, speedup=3.0) for r in by_exp["exp"] if r["method"] == "self_speculative"]

@@ -177,3 +177,25 @@ def test_packed_only_decodes_the_same_tokens_and_reports_no_copies():
 def test_packed_only_needs_packed_weights():
     with pytest.raises(SelfSpecError, match="packed_weights"):
         DecodeConfig(packed_weights=False, packed_only=True)
+
+
+def test_transformers_methods_run_on_our_kernels_or_on_stock_ones_with_the_same_tokens():
+    from selfspec.assets.models import load_model
+
+    lm = load_model("tiny-llama", dtype="bfloat16")  # a byte tokenizer, so generate() has a pad/eos to use
+    cfg = DecodeConfig(max_new_tokens=24)
+    ours = build_method("autoregressive", lm, cfg)
+    packed, stock = build_method("hf_generate", lm, cfg), build_method("hf_generate_stock", lm, cfg)
+    lookup = build_method("hf_prompt_lookup", lm, cfg, options={"num_tokens": 4})
+    assert (packed.name, packed.info["kernels"], stock.name, stock.info["kernels"]) == \
+        ("hf_generate", "packed", "hf_generate_stock", "stock")
+    calls = []
+    for linear in (m for m in lm.model.modules() if isinstance(m, PackedLinear)):
+        linear.register_forward_hook(lambda mod, args, out: calls.append(mod.active))
+    ids = PROMPT + PROMPT
+    want = ours.generate(ids)
+    for method, active in ((packed, True), (stock, False), (lookup, True)):
+        calls.clear()
+        got = method.generate(ids)
+        assert got.tokens == want.tokens and got.stats.new_tokens == want.stats.new_tokens  # counted as ours
+        assert calls and set(calls) == {active}  # which kernels ran

@@ -28,7 +28,7 @@ from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, decode
 from selfspec.cli.jobs import job_failed, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
 from selfspec.draft.spec import DraftSpec
-from selfspec.eval.methods import build_method
+from selfspec.eval.methods import build_method, options_key
 from selfspec.eval.records import summarize
 from selfspec.eval.runner import EvalSettings, evaluate
 from selfspec.provenance import provenance
@@ -57,7 +57,7 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
     options = plain(cfg.method_options)
     if spec is not None:
         options["self_speculative"] = draft_options(spec, options.get("self_speculative"))
-    built = [build_method(m, lm, dcfg, plan, options.get(m)) for m in methods]
+    built = [build_method(m, lm, dcfg, plan, options.get(options_key(m))) for m in methods]
     resolved = plain(cfg)
     header = {"provenance": provenance({"config": resolved, "model_source": lm.source}),
               "model": lm.name, "dataset": tasks.name, "dtype": lm.info.get("dtype"), "seed": cfg.seed}

@@ -11,13 +11,20 @@ Each is timed with the same :class:`~selfspec.stats.Clock` as our methods; a
 streamer stamps the time each new token becomes available (time to first
 token, per-token latencies); new tokens are counted as ours are (EOS
 included, at most ``max_new_tokens``).
+
+Kernels: with ``packed=True`` the call runs inside :func:`~selfspec.draft.packed.packed_weights`
+for the model (and an assistant model), so its linears run on the same prepacked
+oneDNN kernels as our methods; with ``packed=False`` on transformers' stock kernels.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import torch
 
 from selfspec.assets.models import LoadedModel
+from selfspec.draft.packed import packed_weights
 from selfspec.engine.decoding import DecodeConfig, Generation
 from selfspec.engine.stats import Clock, DecodeStats
 from selfspec.errors import SelfSpecError
@@ -41,8 +48,11 @@ class _Stamps:
         pass
 
 
-def hf_runner(lm: LoadedModel, name: str, gen_kwargs: dict):
-    """A ``run(ids, cfg) -> Generation`` that calls ``lm.model.generate`` greedy with ``gen_kwargs``."""
+def hf_runner(lm: LoadedModel, name: str, gen_kwargs: dict, packed: bool = False, also_packed=()):
+    """A ``run(ids, cfg) -> Generation`` that calls ``lm.model.generate`` greedy with ``gen_kwargs``.
+
+    ``packed``: on the prepacked weights of ``lm.model`` and of the models in ``also_packed``.
+    """
     model = lm.model
     device = next(model.parameters()).device
     clock = Clock(device)
@@ -59,7 +69,9 @@ def hf_runner(lm: LoadedModel, name: str, gen_kwargs: dict):
         x = torch.tensor([ids], dtype=torch.long, device=device)
         stamps = _Stamps(clock)
         t0 = clock.now()
-        with torch.inference_mode():
+        with torch.inference_mode(), ExitStack() as kernels:
+            for m in (model, *also_packed) if packed else ():
+                kernels.enter_context(packed_weights(m))
             out = model.generate(
                 input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
                 do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=eos,

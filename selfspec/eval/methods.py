@@ -97,32 +97,52 @@ def _self_speculative(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None,
                   extra_memory_bytes=path.extra_bytes + _packed_bytes(lm, cfg), info=options.record())
 
 
-def _hf_generate(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: None) -> Method:
-    return Method("hf_generate", hf_runner(lm, "hf_generate", {}), cfg)
+def _hf(name: str, lm: LoadedModel, cfg: DecodeConfig, kwargs: dict, stock: bool, info: dict | None = None,
+        assistant=None) -> Method:
+    """A transformers method on our kernels (the prepacked weights, when ``cfg.packed_weights``) or stock ones."""
+    packed = cfg.packed_weights and not stock
+    extra = _param_bytes(assistant) if assistant is not None else 0
+    if packed:  # pack now, not inside a timed request
+        extra += _packed_bytes(lm, cfg) + (weight_packer(assistant).extra_bytes if assistant is not None else 0)
+    full = f"{name}_stock" if stock else name
+    run = hf_runner(lm, full, kwargs, packed=packed, also_packed=(assistant,) if assistant is not None else ())
+    return Method(full, run, cfg, extra_memory_bytes=extra,
+                  info={**(info or {}), "kernels": "packed" if packed else "stock"})
 
 
-def _hf_prompt_lookup(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: PromptLookupOptions) -> Method:
-    kw = {"prompt_lookup_num_tokens": opts.num_tokens, "max_matching_ngram_size": opts.max_ngram}
-    return Method("hf_prompt_lookup", hf_runner(lm, "hf_prompt_lookup", kw), cfg, info={"num_tokens": opts.num_tokens})
+def _hf_generate(stock: bool):
+    def build(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: None) -> Method:
+        return _hf("hf_generate", lm, cfg, {}, stock)
+    return build
 
 
-def _hf_assisted(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: AssistedOptions) -> Method:
-    name = opts.assistant
-    if not name:
-        raise SelfSpecError("hf_assisted needs an assistant model: set method_options.hf_assisted.assistant")
-    dtype = next(lm.model.parameters()).dtype
-    device = str(next(lm.model.parameters()).device)
-    draft = load_model(name, dtype=dtype, device=device, cache_dir=opts.cache_dir)
-    if draft.tokenizer.get_vocab() != lm.tokenizer.get_vocab():
-        raise SelfSpecError(f"assistant {name!r} has another tokenizer than {lm.name!r}")
-    return Method("hf_assisted", hf_runner(lm, "hf_assisted", {"assistant_model": draft.model}), cfg,
-                  extra_memory_bytes=_param_bytes(draft.model), info={"assistant": name})
+def _hf_prompt_lookup(stock: bool):
+    def build(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: PromptLookupOptions) -> Method:
+        kw = {"prompt_lookup_num_tokens": opts.num_tokens, "max_matching_ngram_size": opts.max_ngram}
+        return _hf("hf_prompt_lookup", lm, cfg, kw, stock, {"num_tokens": opts.num_tokens, "max_ngram": opts.max_ngram})
+    return build
 
 
-def _hf_early_exit(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: EarlyExitOptions) -> Method:
-    layer = opts.exit_layer
-    return Method("hf_early_exit", hf_runner(lm, "hf_early_exit", {"assistant_early_exit": int(layer)}), cfg,
-                  info={"exit_layer": int(layer)})
+def _hf_assisted(stock: bool):
+    def build(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: AssistedOptions) -> Method:
+        name = opts.assistant
+        if not name:
+            raise SelfSpecError("hf_assisted needs an assistant model: set method_options.hf_assisted.assistant")
+        dtype = next(lm.model.parameters()).dtype
+        device = str(next(lm.model.parameters()).device)
+        draft = load_model(name, dtype=dtype, device=device, cache_dir=opts.cache_dir)
+        if draft.tokenizer.get_vocab() != lm.tokenizer.get_vocab():
+            raise SelfSpecError(f"assistant {name!r} has another tokenizer than {lm.name!r}")
+        return _hf("hf_assisted", lm, cfg, {"assistant_model": draft.model}, stock, {"assistant": name},
+                   assistant=draft.model)
+    return build
+
+
+def _hf_early_exit(stock: bool):
+    def build(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: EarlyExitOptions) -> Method:
+        layer = int(opts.exit_layer)
+        return _hf("hf_early_exit", lm, cfg, {"assistant_early_exit": layer}, stock, {"exit_layer": layer})
+    return build
 
 
 OUR_METHODS = ("autoregressive", "self_speculative")
@@ -130,10 +150,13 @@ OUR_METHODS = ("autoregressive", "self_speculative")
 BUILDERS: dict[str, Callable[[LoadedModel, DecodeConfig, SkipPlan | None, Any], Method]] = {
     "autoregressive": _autoregressive,
     "self_speculative": _self_speculative,
-    "hf_generate": _hf_generate,
-    "hf_prompt_lookup": _hf_prompt_lookup,
-    "hf_assisted": _hf_assisted,
-    "hf_early_exit": _hf_early_exit,
+    # transformers' methods on our kernels (the prepacked weights), then on its stock kernels
+    **{name: make(stock=False) for name, make in (("hf_generate", _hf_generate), ("hf_prompt_lookup", _hf_prompt_lookup),
+                                                  ("hf_assisted", _hf_assisted), ("hf_early_exit", _hf_early_exit))},
+    **{f"{name}_stock": make(stock=True) for name, make in (("hf_generate", _hf_generate),
+                                                            ("hf_prompt_lookup", _hf_prompt_lookup),
+                                                            ("hf_assisted", _hf_assisted),
+                                                            ("hf_early_exit", _hf_early_exit))},
 }
 OPTIONS: dict[str, type] = {  # each method's own settings (method_options.<name>), defaults held here
     "self_speculative": DraftOptions,
@@ -141,6 +164,11 @@ OPTIONS: dict[str, type] = {  # each method's own settings (method_options.<name
     "hf_assisted": AssistedOptions,
     "hf_early_exit": EarlyExitOptions,
 }
+
+
+def options_key(name: str) -> str:
+    """The ``method_options`` key of a method: a stock variant takes its method's options."""
+    return name.removesuffix("_stock")
 
 
 def build_method(name: str, lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None = None,
@@ -151,16 +179,17 @@ def build_method(name: str, lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan |
     if plan is not None:
         plan.check_model(lm.num_layers, lm.name)
     device = next(lm.model.parameters()).device
-    if cfg.packed_weights and name in OUR_METHODS and device.type != "cpu":
+    if cfg.packed_weights and not name.endswith("_stock") and device.type != "cpu":
         raise SelfSpecError(f"decoding.packed_weights uses CPU (oneDNN) kernels and the model is on {device}; "
                             "set decoding.packed_weights=false there")
     if cfg.packed_only and name not in OUR_METHODS:
         raise SelfSpecError(f"method {name} runs the model as loaded, but packed_only frees its dense weights; "
                             "run it in a separate run without decoding.packed_only")
-    if name in OPTIONS:
-        opts = typed(OPTIONS[name], options, f"method_options.{name}")
+    key = options_key(name)
+    if key in OPTIONS:
+        opts = typed(OPTIONS[key], options, f"method_options.{key}")
     elif options:
-        raise SelfSpecError(f"method {name} takes no options, got method_options.{name}={options}")
+        raise SelfSpecError(f"method {name} takes no options, got method_options.{key}={options}")
     else:
         opts = None
     return BUILDERS[name](lm, cfg, plan, opts)

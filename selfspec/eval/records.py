@@ -15,6 +15,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 from selfspec.assets.data import Sample
 from selfspec.engine.decoding import DecodeConfig, Generation
 from selfspec.engine.stats import DecodeStats
@@ -134,9 +136,36 @@ def summarize(rows: list[dict], baseline: str) -> dict[str, dict]:
             "greedy_match": sum(matched) / len(matched) if matched else float("nan"),
         }
     base = out.get(baseline)
-    for s in out.values():
+    for name, s in out.items():
         s["speedup"] = s["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        lo, hi = paired_bootstrap(by[name], by.get(baseline, []))
+        s["speedup_ci95"] = [lo, hi]
     return out
+
+
+def paired_bootstrap(rows: list[dict], base_rows: list[dict], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of the speedup of ``rows`` over ``base_rows``, paired by sample (percentile bootstrap).
+
+    Each resample draws the run's samples with replacement and takes total tokens over total
+    time of both methods on the same draw, as the speedup itself is taken. The interval
+    covers the prompts' spread; it does not cover drift between runs. NaN with fewer than
+    two paired samples.
+    """
+    mine = {r["sample_id"]: r for r in rows}
+    theirs = {r["sample_id"]: r for r in base_rows}
+    ids = sorted(set(mine) & set(theirs))
+    if len(ids) < 2:
+        return float("nan"), float("nan")
+    def tokens_time(row: dict) -> list[float]:
+        st = stats_of_row(row)
+        return [st.new_tokens, st.total_time]
+
+    t = torch.tensor([tokens_time(mine[i]) + tokens_time(theirs[i]) for i in ids], dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    draw = t[torch.randint(len(ids), (n, len(ids)), generator=g)].sum(dim=1)  # n x 4 totals
+    ratio = (draw[:, 0] / draw[:, 1]) / (draw[:, 2] / draw[:, 3])
+    lo, hi = torch.quantile(ratio, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo, hi
 
 
 SUMMARY_KEYS = ("new_tokens", "tokens_per_s", "acceptance_rate", "mean_accepted_length", "acceptance_by_position",

@@ -24,11 +24,13 @@ from pathlib import Path
 
 from selfspec.eval.records import read_jsonl, summarize
 
-COLUMNS = ["model", "dataset", "variant", "method", "samples", "attn_skipped", "mlp_skipped", "k",
+COLUMNS = ["model", "dataset", "variant", "method", "kernels", "samples", "attn_skipped", "mlp_skipped", "k",
            "acceptance_rate", "mean_accepted_length", "tokens_per_s", "speedup", "greedy_match", "ttft_s",
            "tpot_s", "latency_p99_s", "extra_memory_mb"]
-COMPARED = ["autoregressive", "self_speculative", "hf_generate", "hf_prompt_lookup", "hf_assisted", "hf_early_exit"]
-HEADERS = {"model": "model", "dataset": "dataset", "variant": "run", "method": "method", "samples": "n",
+COMPARED = ["autoregressive", "self_speculative", "hf_generate", "hf_prompt_lookup", "hf_assisted", "hf_early_exit",
+            "hf_generate_stock", "hf_prompt_lookup_stock", "hf_assisted_stock", "hf_early_exit_stock"]
+HEADERS = {"model": "model", "dataset": "dataset", "variant": "run", "method": "method", "kernels": "kernels",
+           "samples": "n",
            "attn_skipped": "attn skip", "mlp_skipped": "MLP skip", "k": "k", "acceptance_rate": "accept",
            "mean_accepted_length": "acc. len", "tokens_per_s": "tok/s", "speedup": "speedup",
            "greedy_match": "match AR", "ttft_s": "TTFT s", "tpot_s": "TPOT s", "latency_p99_s": "P99 s",
@@ -70,20 +72,43 @@ def table_rows(run: Run) -> list[dict]:
             continue
         s = summary[method]
         plan = fp.get("plans", {}).get(method)
+        kernels = _kernels(fp, method)
         out.append({
-            "model": run.model, "dataset": run.dataset, "variant": run.variant, "method": method,
-            "samples": s["samples"],
+            "model": run.model, "dataset": run.dataset, "variant": run.variant,
+            # a transformers method of a run older than the packed variants ran on stock kernels: named so
+            "method": f"{method}_stock" if kernels == "stock" and method.startswith("hf_")
+                      and not method.endswith("_stock") else method,
+            "kernels": kernels, "samples": s["samples"],
             "attn_skipped": len(plan["attn"]) if plan else None,
             "mlp_skipped": len(plan["mlp"]) if plan else None,
             "k": fp["decode"][method]["k"] if plan else None,
             "acceptance_rate": s["acceptance_rate"], "mean_accepted_length": s["mean_accepted_length"],
             "tokens_per_s": s["tokens_per_s"], "speedup": s["speedup"],
+            "speedup_ci95": s.get("speedup_ci95") if method != baseline else None,
             "greedy_match": s["greedy_match"] if method != baseline else None,
             "ttft_s": s["ttft_s"], "tpot_s": s["tpot_s"], "latency_p99_s": s["latency_p99_s"],
             "extra_memory_mb": run.header.get("extra_memory_bytes", {}).get(method, 0) / 2**20,
             "acceptance_by_position": s["acceptance_by_position"],
         })
     return out
+
+
+def _kernels(fp: dict, method: str) -> str:
+    """The kernels a method's linears ran on: ``packed`` (prepacked oneDNN weights) or ``stock``."""
+    info = (fp.get("method_info") or {}).get(method) or {}
+    if "kernels" in info:
+        return info["kernels"]
+    if method.startswith("hf_"):
+        return "stock"  # runs before the packed variants existed
+    return "packed" if (fp.get("decode") or {}).get(method, {}).get("packed_weights") else "stock"
+
+
+def _speedup(r: dict) -> str:
+    ci = r.get("speedup_ci95")
+    text = _fmt("speedup", r["speedup"])
+    if ci and not any(math.isnan(x) for x in ci):
+        text += f" ±{(ci[1] - ci[0]) / 2:.2f}"  # half the width of the 95% paired-bootstrap interval
+    return text
 
 
 def _fmt(key: str, v) -> str:
@@ -102,7 +127,8 @@ def _fmt(key: str, v) -> str:
 
 def to_markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(HEADERS[c] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(c, r[c]) for c in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(_speedup(r) if c == "speedup" else _fmt(c, r[c]) for c in COLUMNS) + " |"
+              for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -112,17 +138,20 @@ def to_latex(rows: list[dict]) -> str:
 
     lines = ["\\begin{tabular}{" + "l" * 4 + "r" * (len(COLUMNS) - 4) + "}", "\\toprule",
              " & ".join(esc(HEADERS[c]) for c in COLUMNS) + " \\\\", "\\midrule"]
-    lines += [" & ".join(esc(_fmt(c, r[c])) for c in COLUMNS) + " \\\\" for r in rows]
+    lines += [" & ".join(esc(_speedup(r) if c == "speedup" else _fmt(c, r[c])) for c in COLUMNS) + " \\\\"
+              for r in rows]
     lines += ["\\bottomrule", "\\end{tabular}"]
     return "\n".join(lines) + "\n"
 
 
 def to_csv(rows: list[dict]) -> str:
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
+    w = csv.DictWriter(buf, fieldnames=[*COLUMNS, "speedup_lo95", "speedup_hi95"], extrasaction="ignore",
+                       lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({c: ("" if r[c] is None else r[c]) for c in COLUMNS})
+        ci = r.get("speedup_ci95") or ["", ""]
+        w.writerow({**{c: ("" if r[c] is None else r[c]) for c in COLUMNS}, "speedup_lo95": ci[0], "speedup_hi95": ci[1]})
     return buf.getvalue()
 
 
@@ -156,6 +185,7 @@ def method_comparison(by_exp: dict[str, list[dict]], experiments: list[str]) -> 
                 continue
             row = cells.setdefault((r["model"], r["dataset"]), {"model": r["model"], "dataset": r["dataset"]})
             row[r["method"]] = r["speedup"]
+            row.setdefault("ci95", {})[r["method"]] = r.get("speedup_ci95")
             row.setdefault("sources", {})[r["method"]] = name
             if r["method"] == "autoregressive":
                 row.setdefault("ar_tokens_per_s", {})[name] = r["tokens_per_s"]
@@ -170,7 +200,9 @@ def write_method_comparison(rows: list[dict], methods: list[str], out: Path) -> 
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     csv_lines = [",".join(heads)]
     for r in rows:
-        vals = [r["model"], r["dataset"], *(_fmt("speedup", r.get(m)) for m in methods),
+        vals = [r["model"], r["dataset"],
+                *(_speedup({"speedup": r[m], "speedup_ci95": r.get("ci95", {}).get(m)}) if r.get(m) is not None
+                  else "-" for m in methods),
                 _fmt("acceptance_rate", r.get("self_speculative_acceptance")),
                 _fmt("greedy_match", r.get("self_speculative_match"))]
         lines.append("| " + " | ".join(vals) + " |")
@@ -188,5 +220,8 @@ def write_method_comparison(rows: list[dict], methods: list[str], out: Path) -> 
              for name, ms in sorted(sources.items())]
     out.with_suffix(".md").write_text(
         "Speedup in wall-clock tokens/s over our autoregressive loop, measured in the same process "
-        "on the same prompts.\n\n" + "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n")
+        "on the same prompts; ± is half the width of a 95% paired-bootstrap interval over the run's "
+        "prompts (not of the drift between runs). Methods named `_stock` ran on transformers' stock "
+        "kernels; the others on the same prepacked weights as our loop.\n\n"
+        + "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n")
     out.with_suffix(".csv").write_text("\n".join(csv_lines) + "\n")
