@@ -46,28 +46,29 @@ def _open_lock(target: Path, what: str) -> int:
 @contextmanager
 def waiting(target: Path, what: str) -> Iterator[None]:
     """Hold ``<target>.lock`` for the block, waiting (and saying so once) while another process holds it."""
-    fd = _open_lock(target, what)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"[selfspec] waiting for another process to finish {what}", file=sys.stderr, flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+    with _held(target, what, wait=True):
         yield
-    finally:
-        os.close(fd)
 
 
 @contextmanager
 def exclusive(target: Path, what: str) -> Iterator[None]:
-    """Hold ``<target>.lock`` for the block; raise :class:`SelfSpecError` when another process holds it."""
+    """Hold ``<target>.lock`` for the block; raise :class:`RunRefused` when another process holds it."""
+    with _held(target, what, wait=False):
+        yield
+
+
+@contextmanager
+def _held(target: Path, what: str, wait: bool) -> Iterator[None]:
     fd = _open_lock(target, what)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunRefused(f"{what} is being written by another process (lock {target.name}.lock); "
-                                "wait for it to finish, or write elsewhere") from None
+            if not wait:
+                raise RunRefused(f"{what} is being written by another process (lock {target.name}.lock); "
+                                 "wait for it to finish, or write elsewhere") from None
+            print(f"[selfspec] waiting for another process to finish {what}", file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)

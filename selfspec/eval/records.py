@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -60,16 +61,21 @@ def stats_of_row(row: dict) -> DecodeStats:
     )
 
 
-def read_jsonl(path: Path) -> tuple[dict | None, list[dict]]:
-    """Header and rows of a results file; a torn last line (killed mid-write) is dropped."""
-    header, rows = None, []
+def _json_lines(path: Path) -> Iterator[dict]:
+    """The whole JSON lines of a results file (a torn last line, killed mid-write, is passed over)."""
     if not path.is_file():
-        return None, []
+        return
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            row = json.loads(line)
+            yield json.loads(line)
         except json.JSONDecodeError:
             continue
+
+
+def read_jsonl(path: Path) -> tuple[dict | None, list[dict]]:
+    """Header and sample rows of a results file."""
+    header, rows = None, []
+    for row in _json_lines(path):
         if row.get("type") == "header":
             header = header or row
         elif row.get("type") == "sample":
@@ -79,16 +85,7 @@ def read_jsonl(path: Path) -> tuple[dict | None, list[dict]]:
 
 def skipped_samples(path: Path) -> dict[str, str]:
     """Samples a run skipped (``type: skipped`` rows: a prompt too long for the model, an empty turn), with why."""
-    out = {}
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if row.get("type") == "skipped":
-                out[row["sample_id"]] = row.get("reason", "")
-    return out
+    return {row["sample_id"]: row.get("reason", "") for row in _json_lines(path) if row.get("type") == "skipped"}
 
 
 def repair_torn_tail(path: Path) -> bool:
