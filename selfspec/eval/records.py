@@ -40,6 +40,7 @@ def sample_row(sample: Sample, method: str, gen: Generation, texts: list[str]) -
         **{key: s[key] for key in READABLE},
         "output_sha256": output_hash(gen.tokens),
         "output_text": texts,
+        **({"reference": sample.reference} if sample.reference else {}),
     }
 
 

@@ -5,8 +5,10 @@ Reads every ``samples.jsonl`` under ``--runs`` (written by
 folder under ``--runs``), ``<name>.md``, ``<name>.tex`` and ``<name>.csv`` to
 ``--tables``: one row per model x dataset x run variant x method with the
 sublayers the plan skips, acceptance rate, mean accepted length, tokens/s,
-speedup over the run's baseline and the share of samples whose output equals
-the baseline's. Figures (PNG, ``--figures``): speedup and acceptance versus
+speedup over the run's baseline, the share of samples whose output equals
+the baseline's, task quality where the rows carry references (HumanEval pass@1,
+GSM8K accuracy) and ROUGE-L agreement with the baseline's outputs
+(:mod:`selfspec.eval.quality`). Figures (PNG, ``--figures``): speedup and acceptance versus
 the number of skipped sublayers, acceptance by draft position, and the
 search history of every Optuna study under ``--studies``. Every number is
 computed here from the raw rows; nothing is typed by hand. A run whose folder
@@ -22,18 +24,20 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from selfspec.eval.quality import quality
 from selfspec.eval.records import read_jsonl, summarize
 
 COLUMNS = ["model", "dataset", "variant", "method", "kernels", "samples", "attn_skipped", "mlp_skipped", "k",
-           "acceptance_rate", "mean_accepted_length", "tokens_per_s", "speedup", "greedy_match", "ttft_s",
-           "tpot_s", "latency_p99_s", "extra_memory_mb"]
+           "acceptance_rate", "mean_accepted_length", "tokens_per_s", "speedup", "greedy_match", "task_quality",
+           "rouge_l", "ttft_s", "tpot_s", "latency_p99_s", "extra_memory_mb"]
 COMPARED = ["autoregressive", "self_speculative", "hf_generate", "hf_prompt_lookup", "hf_assisted", "hf_early_exit",
             "hf_generate_stock", "hf_prompt_lookup_stock", "hf_assisted_stock", "hf_early_exit_stock"]
 HEADERS = {"model": "model", "dataset": "dataset", "variant": "run", "method": "method", "kernels": "kernels",
            "samples": "n",
            "attn_skipped": "attn skip", "mlp_skipped": "MLP skip", "k": "k", "acceptance_rate": "accept",
            "mean_accepted_length": "acc. len", "tokens_per_s": "tok/s", "speedup": "speedup",
-           "greedy_match": "match AR", "ttft_s": "TTFT s", "tpot_s": "TPOT s", "latency_p99_s": "P99 s",
+           "greedy_match": "match AR", "task_quality": "quality", "rouge_l": "ROUGE-L vs AR",
+           "ttft_s": "TTFT s", "tpot_s": "TPOT s", "latency_p99_s": "P99 s",
            "extra_memory_mb": "extra MB"}
 
 
@@ -66,6 +70,7 @@ def table_rows(run: Run) -> list[dict]:
     fp = run.header["fingerprint"]
     baseline = run.header.get("baseline", "autoregressive")
     summary = summarize(run.rows, baseline)
+    base_rows = [r for r in run.rows if r["method"] == baseline]
     out = []
     for method in fp["methods"]:
         if method not in summary:
@@ -73,6 +78,8 @@ def table_rows(run: Run) -> list[dict]:
         s = summary[method]
         plan = fp.get("plans", {}).get(method)
         kernels = _kernels(fp, method)
+        q = quality([r for r in run.rows if r["method"] == method], base_rows)
+        task = next(((k, q[k]) for k in ("pass@1", "accuracy") if k in q), None)
         out.append({
             "model": run.model, "dataset": run.dataset, "variant": run.variant,
             # a transformers method of a run older than the packed variants ran on stock kernels: named so
@@ -86,6 +93,8 @@ def table_rows(run: Run) -> list[dict]:
             "tokens_per_s": s["tokens_per_s"], "speedup": s["speedup"],
             "speedup_ci95": s.get("speedup_ci95") if method != baseline else None,
             "greedy_match": s["greedy_match"] if method != baseline else None,
+            "task_quality": f"{task[0]} {task[1]:.2f}" if task else None,
+            "rouge_l": q.get("rouge_l_vs_baseline") if method != baseline else None,
             "ttft_s": s["ttft_s"], "tpot_s": s["tpot_s"], "latency_p99_s": s["latency_p99_s"],
             "extra_memory_mb": run.header.get("extra_memory_bytes", {}).get(method, 0) / 2**20,
             "acceptance_by_position": s["acceptance_by_position"],
@@ -116,7 +125,7 @@ def _fmt(key: str, v) -> str:
         return "-"
     if key == "speedup":
         return f"{v:.2f}x"
-    if key in ("acceptance_rate", "greedy_match", "mean_accepted_length", "tokens_per_s"):
+    if key in ("acceptance_rate", "greedy_match", "mean_accepted_length", "tokens_per_s", "rouge_l"):
         return f"{v:.2f}"
     if key in ("ttft_s", "tpot_s", "latency_p99_s"):
         return f"{v:.3f}"
