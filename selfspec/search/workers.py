@@ -117,47 +117,49 @@ def _holder_alive(attrs: dict, stale_after: float = STALE_AFTER_S) -> bool:
     return time.time() - beat < stale_after
 
 
+def _take(storage, name: str, stale_after: float = STALE_AFTER_S) -> bool:
+    """Create marker ``name``, taking it over when its holder is gone; False while a live process holds it."""
+    if _create_marker(storage, name):
+        return True
+    holder = _marker_holder(storage, name)
+    if holder is not None:
+        if _holder_alive(holder, stale_after):
+            return False
+        _drop_marker(storage, name)
+    return _create_marker(storage, name)
+
+
 @contextmanager
 def worker_slot(storage, study_name: str) -> Iterator[int]:
-    """The lowest free worker slot of the study, held for the block (a dead worker's slot is taken over)."""
+    """The lowest free worker slot of the study, held for the block (a dead worker's slot on this host is taken over)."""
     i = 0
-    while True:
-        name = f"{study_name}{_MARK}worker-{i}"
-        if _create_marker(storage, name):
-            break
-        holder = _marker_holder(storage, name)
-        if holder is not None and not _holder_alive(holder, stale_after=float("inf")):
-            _drop_marker(storage, name)  # left by a killed worker on this host: take it
-            continue
+    while not _take(storage, f"{study_name}{_MARK}worker-{i}", stale_after=float("inf")):
         i += 1
     try:
         yield i
     finally:
-        _drop_marker(storage, name)
+        _drop_marker(storage, f"{study_name}{_MARK}worker-{i}")
 
 
 def claimed_once(storage, study_name: str, what: str, ready: Callable[[], object | None],
                  compute: Callable[[], object], poll_s: float = 2.0) -> object:
     """``ready()`` when it is not None, else ``compute()`` by exactly one of the workers.
 
-    The worker that creates the claim marker computes; the others wait, print once
-    whom they wait for, and take the result; a claim whose holder died is taken over.
+    The worker that claims ``what`` computes; the others wait, print once whom they
+    wait for, and take the result; a claim whose holder died is taken over.
     """
-    name, said = f"{study_name}{_MARK}{what}", False
+    said = False
     while True:
         value = ready()
         if value is not None:
             return value
-        if _create_marker(storage, name):
+        if try_claim(storage, study_name, what):
             try:
                 value = ready()  # done by another worker between the check and the claim
                 return value if value is not None else compute()
             finally:
-                _drop_marker(storage, name)
-        holder = _marker_holder(storage, name)
-        if holder is not None and not _holder_alive(holder):
-            _drop_marker(storage, name)
-            continue
+                release(storage, study_name, what)
+        holder = _marker_holder(storage, f"{study_name}{_MARK}{what}")
         if not said and holder is not None:
             print(f"[selfspec] waiting for {holder.get('worker')} ({what}, once per study)", file=sys.stderr)
             said = True
@@ -166,22 +168,11 @@ def claimed_once(storage, study_name: str, what: str, ready: Callable[[], object
 
 def try_claim(storage, study_name: str, what: str) -> bool:
     """Claim ``what`` for this worker without waiting; False when a live worker holds it."""
-    name = f"{study_name}{_MARK}{what}"
-    if _create_marker(storage, name):
-        return True
-    holder = _marker_holder(storage, name)
-    if holder is not None and not _holder_alive(holder):
-        _drop_marker(storage, name)
-        return _create_marker(storage, name)
-    return False
+    return _take(storage, f"{study_name}{_MARK}{what}")
 
 
 def release(storage, study_name: str, what: str) -> None:
     _drop_marker(storage, f"{study_name}{_MARK}{what}")
-
-
-def is_marker(study_name: str) -> bool:
-    return _MARK in study_name
 
 
 # -- trial liveness -------------------------------------------------------------------------
