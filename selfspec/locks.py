@@ -5,10 +5,11 @@
 :func:`waiting` takes the same lock but waits for it (the download cache: the first of
 several jobs fetches, the others wait and then find the file there).
 
-A run folder's ``samples.jsonl`` and a study's storage each get a ``.lock`` file; a second
-process that tries to write the same results while the first holds it gets one clear error
-instead of doubled rows or two cost models. The lock is released when the holder exits,
-also when it is killed (the kernel drops ``flock`` locks with the process).
+A run folder's ``samples.jsonl`` gets a ``.lock`` file: a second process that tries to write
+the same results while the first holds it gets one clear error instead of doubled rows.
+(Search workers share a study by design: :mod:`selfspec.search.workers`.) A lock is
+released when its holder exits, also when it is killed (the kernel drops ``flock`` locks
+with the process).
 """
 
 from __future__ import annotations

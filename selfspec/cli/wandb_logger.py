@@ -25,10 +25,11 @@ class WandbLogger:
         self._init = None
         if logger_cfg.get("name") != "wandb" or logger_cfg.get("mode") == "disabled":
             return
-        check_writable(Path(dir or logger_cfg["dir"]), "the W&B folder (logger.dir)")
+        root = Path(dir or logger_cfg["dir"])
+        check_writable(root, "the W&B folder (logger.dir)")  # (creates it)
         self._init = dict(project=logger_cfg["project"], entity=logger_cfg.get("entity"), mode=logger_cfg["mode"],
-                          dir=Path(dir or logger_cfg["dir"]), job_type=job, name=name,
-                          tags=list(logger_cfg.get("tags") or ()), config=config)
+                          dir=str(root), job_type=job, name=name, tags=list(logger_cfg.get("tags") or ()),
+                          config=config)
 
     def start(self) -> WandbLogger:
         if self._init is None or self.run is not None:
@@ -36,9 +37,8 @@ class WandbLogger:
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
-        self._init["dir"].mkdir(parents=True, exist_ok=True)
         self.wandb = wandb
-        self.run = wandb.init(**{**self._init, "dir": str(self._init["dir"])}, reinit="finish_previous")
+        self.run = wandb.init(**self._init, reinit="finish_previous")
         return self
 
     def log(self, metrics: dict) -> None:

@@ -146,17 +146,15 @@ def _hf_early_exit(stock: bool):
 
 
 OUR_METHODS = ("autoregressive", "self_speculative")
+_TRANSFORMERS = {"hf_generate": _hf_generate, "hf_prompt_lookup": _hf_prompt_lookup, "hf_assisted": _hf_assisted,
+                 "hf_early_exit": _hf_early_exit}
 
 BUILDERS: dict[str, Callable[[LoadedModel, DecodeConfig, SkipPlan | None, Any], Method]] = {
     "autoregressive": _autoregressive,
     "self_speculative": _self_speculative,
-    # transformers' methods on our kernels (the prepacked weights), then on its stock kernels
-    **{name: make(stock=False) for name, make in (("hf_generate", _hf_generate), ("hf_prompt_lookup", _hf_prompt_lookup),
-                                                  ("hf_assisted", _hf_assisted), ("hf_early_exit", _hf_early_exit))},
-    **{f"{name}_stock": make(stock=True) for name, make in (("hf_generate", _hf_generate),
-                                                            ("hf_prompt_lookup", _hf_prompt_lookup),
-                                                            ("hf_assisted", _hf_assisted),
-                                                            ("hf_early_exit", _hf_early_exit))},
+    # transformers' methods on our kernels (the prepacked weights), and each on its stock kernels
+    **{name: make(stock=False) for name, make in _TRANSFORMERS.items()},
+    **{f"{name}_stock": make(stock=True) for name, make in _TRANSFORMERS.items()},
 }
 OPTIONS: dict[str, type] = {  # each method's own settings (method_options.<name>), defaults held here
     "self_speculative": DraftOptions,

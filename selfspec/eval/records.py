@@ -154,6 +154,7 @@ def paired_bootstrap(rows: list[dict], base_rows: list[dict], n: int = 2000, see
     ids = sorted(set(mine) & set(theirs))
     if len(ids) < 2:
         return float("nan"), float("nan")
+
     def tokens_time(row: dict) -> list[float]:
         st = stats_of_row(row)
         return [st.new_tokens, st.total_time]

@@ -143,6 +143,7 @@ def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings
             print(f"[selfspec] sample {sample.id} skipped: {e}", file=sys.stderr)
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"type": "skipped", "sample_id": sample.id, "reason": str(e)}) + "\n")
+            skipped[sample.id] = str(e)
             continue
         new_rows.sort(key=lambda r: names.index(r["method"]))
         for r in new_rows:
@@ -153,7 +154,6 @@ def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings
         bar.set_postfix({r["method"][:12]: f"{r['tokens_per_s']:.1f}t/s" for r in new_rows})
         if on_sample:
             on_sample(new_rows)
-    skipped = skipped_samples(path)
     if skipped:
         print(f"[selfspec] {len(skipped)} sample(s) skipped, not in the results: {', '.join(sorted(skipped))}",
               file=sys.stderr)

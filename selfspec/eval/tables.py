@@ -120,6 +120,11 @@ def _speedup(r: dict) -> str:
     return text
 
 
+def _cell(r: dict, key: str) -> str:
+    """A table row's column as printed (the speedup with its interval)."""
+    return _speedup(r) if key == "speedup" else _fmt(key, r[key])
+
+
 def _fmt(key: str, v) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
@@ -136,8 +141,7 @@ def _fmt(key: str, v) -> str:
 
 def to_markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(HEADERS[c] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_speedup(r) if c == "speedup" else _fmt(c, r[c]) for c in COLUMNS) + " |"
-              for r in rows]
+    lines += ["| " + " | ".join(_cell(r, c) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -147,8 +151,7 @@ def to_latex(rows: list[dict]) -> str:
 
     lines = ["\\begin{tabular}{" + "l" * 4 + "r" * (len(COLUMNS) - 4) + "}", "\\toprule",
              " & ".join(esc(HEADERS[c]) for c in COLUMNS) + " \\\\", "\\midrule"]
-    lines += [" & ".join(esc(_speedup(r) if c == "speedup" else _fmt(c, r[c])) for c in COLUMNS) + " \\\\"
-              for r in rows]
+    lines += [" & ".join(esc(_cell(r, c)) for c in COLUMNS) + " \\\\" for r in rows]
     lines += ["\\bottomrule", "\\end{tabular}"]
     return "\n".join(lines) + "\n"
 

@@ -359,7 +359,6 @@ def _costs_fit(saved: dict, space: SearchSpace) -> bool:
 def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: SearchSpace, study: optuna.Study,
             sim: RoundSimulator, costs: CostModel, cost_note: str, calib_ids: list[list[int]],
             held_ids: list[list[int]], plans_dir: Path, t_start: float, extra_provenance: dict | None) -> SearchReport:
-    storage = s.storage
     tops = top_drafts(study, space, s.retime.top_n, lm.name, costs if s.objective == "predicted" else None)
     if not tops:
         raise SelfSpecError("no trial finished within the budget; widen min_skipped/max_skipped or run more trials")
@@ -394,7 +393,7 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
                           trials=finished(study), search_seconds=time.perf_counter() - t_start, plan_path="",
                           cost_model_note=cost_note, candidates=candidates, ablation=ablation)
     prov = provenance({"model": lm.name, "dataset": prompt_set.name, "dtype": lm.info.get("dtype"),
-                       "study": s.study_name, "storage": str(storage), "objective": s.objective,
+                       "study": s.study_name, "storage": str(s.storage), "objective": s.objective,
                        "cost_model": costs.to_dict(), "cost_model_note": cost_note, **(extra_provenance or {})})
     plan = SkipPlan(best.plan.num_layers, best.plan.attn, best.plan.mlp, model=lm.name, provenance=prov)
     final = best.replace(plan=plan, measured={"calibration": calibration, "heldout": heldout,
