@@ -2,27 +2,43 @@
 
 from __future__ import annotations
 
+# earlier occurrences of one n-gram kept for multi-candidate copy drafting (the latest ones)
+_KEPT_OCCURRENCES = 16
+
 
 class NGramIndex:
-    """Where each n-gram of the context last occurred, for copy drafting (prompt lookup)."""
+    """Where each n-gram of the context occurred (the latest few times), for copy drafting."""
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.tokens: list[int] = []
-        self.last: dict[tuple[int, ...], int] = {}
+        self.seen: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, tokens: list[int]) -> None:
         for t in tokens:
             self.tokens.append(t)
             end = len(self.tokens)
             if end > self.n:  # the n-gram before the newest token now has a continuation
-                self.last[tuple(self.tokens[end - 1 - self.n : end - 1])] = end - 1
+                starts = self.seen.setdefault(tuple(self.tokens[end - 1 - self.n : end - 1]), [])
+                starts.append(end - 1)
+                if len(starts) > _KEPT_OCCURRENCES:
+                    del starts[0]
 
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens."""
+        found = self.propose_many(k, 1)
+        return found[0] if found else []
+
+    def propose_many(self, k: int, m: int) -> list[list[int]]:
+        """Up to ``m`` distinct continuations (up to ``k`` tokens each) of earlier occurrences of
+        the last n tokens, latest occurrence first."""
         if len(self.tokens) < self.n:
             return []
-        start = self.last.get(tuple(self.tokens[-self.n :]))
-        if start is None:
-            return []
-        return self.tokens[start : start + k]
+        out: list[list[int]] = []
+        for start in reversed(self.seen.get(tuple(self.tokens[-self.n :]), ())):
+            cont = self.tokens[start : start + k]
+            if cont not in out:
+                out.append(cont)
+                if len(out) == m:
+                    break
+        return out

@@ -52,12 +52,20 @@ class DraftOptions:
     head_tokens: int = 0  # 0 = the full LM head while drafting; N = N token ids + prompt + stop tokens
     ngram: int = 0  # 0 = off; n >= 1: draft by copying what followed the last n tokens in the context
     copy_tokens: int = 0  # longest copy draft; 0 = k, like the layer-skip draft
+    # draft trees (greedy decoding only; selfspec.engine.tree): several candidates in one verify forward
+    copy_candidates: int = 1  # distinct continuations of earlier n-gram matches, latest first; 1 = a chain
+    branch_below: float = 0.0  # model drafts add the 2nd-best token where the top probability is below this
+    tree_nodes: int = 32  # most drafted nodes a tree verifies at once
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
             raise SelfSpecError(f"draft weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.head_tokens < 0 or self.ngram < 0 or self.copy_tokens < 0:
             raise SelfSpecError("head_tokens, ngram and copy_tokens must be >= 0")
+        if self.copy_candidates < 1 or self.tree_nodes < 1:
+            raise SelfSpecError("copy_candidates and tree_nodes must be >= 1")
+        if not 0.0 <= self.branch_below < 1.0:
+            raise SelfSpecError(f"branch_below must be in [0, 1), got {self.branch_below}")
         if self.weights == "int4" and self.group_size not in (32, 64, 128, 256):
             raise SelfSpecError(f"int4 group_size must be 32, 64, 128 or 256, got {self.group_size}")
 
@@ -65,16 +73,25 @@ class DraftOptions:
     def plain(self) -> bool:
         return self.weights == "model" and self.head_tokens == 0
 
+    @property
+    def tree(self) -> bool:
+        """Whether rounds may verify a tree of candidates (greedy decoding) instead of a chain."""
+        return (self.ngram > 0 and self.copy_candidates > 1) or self.branch_below > 0
+
     def record(self) -> dict | None:
         """The options as a run records them (None for the plan-only draft).
 
-        ``copy_tokens`` appears only when set, so runs recorded before it existed still resume.
+        ``copy_tokens`` and the tree options appear only when set, so runs recorded before they
+        existed still resume.
         """
-        if self.plain and not self.ngram:
+        if self.plain and not self.ngram and not self.tree:
             return None
         rec = asdict(self)
         if not self.copy_tokens:
             del rec["copy_tokens"]
+        if not self.tree:
+            for name in ("copy_candidates", "branch_below", "tree_nodes"):
+                del rec[name]
         return rec
 
 

@@ -47,7 +47,8 @@ class DraftSpec:
         o = self.options
         return (self.plan.attn, self.plan.mlp, o.weights, o.group_size if o.weights == "int4" else 0,
                 o.head_tokens, o.ngram, o.copy_tokens if o.ngram else 0, self.k, self.adaptive,
-                round(self.threshold, 3) if self.adaptive else None)
+                round(self.threshold, 3) if self.adaptive else None,
+                (o.copy_candidates if o.ngram else 1, round(o.branch_below, 3), o.tree_nodes) if o.tree else None)
 
     def describe(self) -> str:
         o = self.options
@@ -58,6 +59,10 @@ class DraftSpec:
             parts.append(f"head {o.head_tokens}")
         if o.ngram:
             parts.append(f"{o.ngram}-gram copy" + (f" up to {o.copy_tokens}" if o.copy_tokens else ""))
+        if o.tree:
+            tree = [f"{o.copy_candidates} copy candidates"] if o.ngram and o.copy_candidates > 1 else []
+            tree += [f"branch below {o.branch_below:.2f}"] if o.branch_below else []
+            parts.append(f"tree ({', '.join(tree)}, <= {o.tree_nodes} nodes)")
         parts.append(f"k={self.k}" + (f" adaptive {self.threshold:.2f}" if self.adaptive else ""))
         return ", ".join(parts)
 

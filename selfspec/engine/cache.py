@@ -117,6 +117,20 @@ class PositionalKVCache(Cache):
         self.window.start = start
         self.window.end = end
 
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        """Copy the keys/values of slots ``src`` to slots ``dst`` in every layer (a tree's accepted path).
+
+        Only these rows are copied, never the cache; all sources are read before any destination is written.
+        """
+        if not src:
+            return
+        device = self.layers[0].keys.device
+        s = torch.tensor(src, dtype=torch.long, device=device)
+        d = torch.tensor(dst, dtype=torch.long, device=device)
+        for layer in self.layers:
+            layer.keys[:, :, d] = layer.keys[:, :, s]
+            layer.values[:, :, d] = layer.values[:, :, s]
+
     # transformers.Cache: everything size-related comes from the window, never from a layer
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.window.start

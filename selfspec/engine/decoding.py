@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ from selfspec.engine.sampling import (
     verify_sampling,
 )
 from selfspec.engine.stats import Clock, DecodeStats
+from selfspec.engine.tree import DraftTree, tree_attention_mask
 from selfspec.errors import SelfSpecError
 
 
@@ -96,21 +98,27 @@ class Generation:
 
 
 def forward_at(model, cache: PositionalKVCache, tokens: torch.Tensor, start: int, keep: int,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
+               positions: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None,
+               attention_mask=None) -> torch.Tensor:
     """The one forward everything uses: ``tokens`` at absolute positions ``start..`` on ``cache``.
 
     Seeks the cache, passes the positions explicitly, and returns the logits
     ``[keep, V]`` of the last ``keep`` tokens. ``positions`` is an optional
-    preallocated ``[1, >= start+n]`` row of position ids to slice from.
+    preallocated ``[1, >= start+n]`` row of position ids to slice from. A draft tree's
+    verify passes its own ``position_ids`` (by depth) and ``attention_mask``
+    (:func:`selfspec.engine.tree.tree_attention_mask`); the tokens still fill slots ``start..``.
     """
     n = tokens.shape[-1]
     cache.seek(start, n)
-    if positions is None:
+    if position_ids is not None:
+        pos = position_ids.reshape(1, n)
+    elif positions is None:
         pos = torch.arange(start, start + n, device=tokens.device)[None]
     else:
         pos = positions[:, start : start + n]
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     out = model(input_ids=tokens.reshape(1, n), position_ids=pos, past_key_values=cache,
-                use_cache=True, logits_to_keep=keep)
+                use_cache=True, logits_to_keep=keep, **kwargs)
     return out.logits[0]
 
 
@@ -254,6 +262,8 @@ class Speculator:
         self.path = path
         self.ngram = NGramIndex(path.options.ngram) if path.options.ngram else None
         self.threshold = AdaptiveThreshold(self.cfg)
+        self.tree = path.options.tree and self.cfg.sampling.greedy
+        self.alternates: list[tuple[int, int]] = []  # (draft index, 2nd-best token) of the last model draft
         self.ema_tokens: float | None = None
         self.ema_verify: float | None = None
         self.ema_round: float | None = None
@@ -287,10 +297,17 @@ class Speculator:
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         x = run.pending
+        branch = self.path.options.branch_below if self.tree else 0.0
+        self.alternates = []
         with self.path.drafting():
             for j in range(k):
                 logits = run.forward(run.token_tensor([x]), run.pos + j, keep=1)[-1]
-                if greedy:
+                if greedy and branch:
+                    top = logits.float().softmax(-1).topk(2)
+                    x, conf = int(top.indices[0]), float(top.values[0])
+                    if conf < branch:
+                        self.alternates.append((j, int(top.indices[1])))
+                elif greedy:
                     x = int(logits.argmax(-1))
                     conf = float(logits.float().softmax(-1).max()) if self.cfg.adaptive else 1.0
                 else:
@@ -313,12 +330,74 @@ class Speculator:
         p = probs_from_logits(logits, self.cfg.sampling)
         return verify_sampling(draft_t, torch.stack(qs), p, run.generator)
 
+    def draft_tree(self, k: int, room: int) -> DraftTree:
+        """The round's candidates as a tree: distinct copy continuations (latest match first) or,
+        without a match, the model's draft with its 2nd-best tokens at low-confidence positions."""
+        run, opts = self.run, self.path.options
+        tree = DraftTree(run.pending, opts.tree_nodes)
+        found = []
+        if self.ngram is not None:
+            self.ngram.extend(run.out[len(self.ngram.tokens) - run.prompt.numel():])
+            found = self.ngram.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates)
+        for rank, cont in enumerate(found, 1):
+            tree.add_path(cont, f"copy#{rank}")
+        if found:
+            run.stats.copy_rounds += 1
+            return tree
+        drafts, _ = self.draft(k)
+        nodes = tree.add_path(drafts, "model")
+        for j, alt in self.alternates:
+            if j <= len(nodes):
+                tree.add_path([alt], "model#2", parent=nodes[j - 1] if j else 0)
+        return tree
+
+    def verify_tree(self, tree: DraftTree) -> tuple[list[int], int]:
+        """One full-depth forward over every node; the accepted path's rows moved to the committed slots."""
+        run = self.run
+        if tree.is_chain:
+            n, nxt = self.verify(tree.tokens[1:], [])
+            return list(range(1, n + 1)), nxt
+        n = len(tree.tokens)
+        depth = torch.tensor(tree.depth, dtype=torch.long, device=run.device)
+        logits = forward_at(run.model, run.cache, run.token_tensor(tree.tokens), run.pos, keep=n,
+                            position_ids=run.pos + depth,
+                            attention_mask=tree_attention_mask(run.model, tree, run.pos, run.device))
+        path, nxt = tree.accept_greedy(logits.argmax(-1).tolist())
+        moved = [(run.pos + node, run.pos + d) for d, node in enumerate(path, 1) if node != d]
+        run.cache.move_rows([m[0] for m in moved], [m[1] for m in moved])
+        stats = run.stats
+        stats.tree_rounds += 1
+        stats.tree_nodes += tree.drafted
+        won = tree.winner(path)
+        stats.tree_wins[won] = stats.tree_wins.get(won, 0) + 1
+        return path, nxt
+
+    def tree_round(self, k: int, room: int) -> None:
+        run, stats = self.run, self.run.stats
+        t0 = run.clock.now()
+        tree = self.draft_tree(k, room)
+        t1 = run.clock.now()
+        path, nxt = self.verify_tree(tree)
+        n = len(path)
+        run.pos += n + 1
+        run.pending = nxt
+        kept = run.emit([tree.tokens[i] for i in path] + [nxt])
+        t2 = run.clock.now()
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.record_round(tree.max_depth, n)
+        stats.record_tokens(len(kept), t2 - t0)
+        self.adapt(tree.max_depth, n, t2 - t1, t2 - t0)
+
     def round(self) -> None:
         run, stats = self.run, self.run.stats
         room = self.cfg.max_new_tokens - len(run.out) - 1
         k = min(self.cfg.k, room)
         if k < 1 or not self.speculating:
             run.plain_step()
+            return
+        if self.tree:
+            self.tree_round(k, room)
             return
         t0 = run.clock.now()
         drafts, qs = self.copy_draft(min(self.path.options.copy_tokens or k, room))
@@ -369,7 +448,10 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
         draft = DraftPath(model, plan, DraftOptions())
     elif draft.plan != plan or draft.model is not model:
         raise SelfSpecError("the draft path was built for another plan or model")
-    longest = max(cfg.k, draft.options.copy_tokens if draft.options.ngram else 0)
+    opts = draft.options
+    longest = max(cfg.k, opts.copy_tokens if opts.ngram else 0, opts.tree_nodes if opts.tree else 0)
+    if opts.tree and not cfg.sampling.greedy:
+        warnings.warn("draft trees verify greedy decoding only; this sampling run drafts chains", stacklevel=2)
     run = Request(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
     spec = Speculator(run, draft)
     with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only):

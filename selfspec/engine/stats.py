@@ -70,6 +70,9 @@ class DecodeStats:
     token_latencies: list[float] = field(default_factory=list)
     stop_reason: str = ""  # "eos" | "max_new_tokens"
     fell_back_at: int | None = None  # new-token count when speculation was switched off
+    tree_rounds: int = 0  # rounds that verified a branching draft tree
+    tree_nodes: int = 0  # drafted nodes those rounds verified
+    tree_wins: dict[str, int] = field(default_factory=dict)  # candidate the accepted path came from -> rounds
 
     # -- recording ---------------------------------------------------------------
     def record_round(self, drafted: int, accepted: int) -> None:
@@ -98,7 +101,8 @@ class DecodeStats:
         out = cls(method=parts[0].method, requests=0)
         for p in parts:
             for name in ("requests", "prompt_tokens", "new_tokens", "rounds", "copy_rounds", "plain_steps", "drafted", "accepted",
-                         "prefill_time", "draft_time", "verify_time", "step_time", "ttft", "total_time"):
+                         "prefill_time", "draft_time", "verify_time", "step_time", "ttft", "total_time",
+                         "tree_rounds", "tree_nodes"):
                 setattr(out, name, getattr(out, name) + getattr(p, name))
             for mine, theirs in ((out.drafted_per_position, p.drafted_per_position),
                                  (out.accepted_per_position, p.accepted_per_position)):
@@ -106,6 +110,8 @@ class DecodeStats:
                 for i, v in enumerate(theirs):
                     mine[i] += v
             out.token_latencies.extend(p.token_latencies)
+            for name, v in p.tree_wins.items():
+                out.tree_wins[name] = out.tree_wins.get(name, 0) + v
             out.stop_reason = p.stop_reason
             if out.fell_back_at is None and p.fell_back_at is not None:
                 out.fell_back_at = p.fell_back_at
@@ -157,4 +163,7 @@ class DecodeStats:
             "step_time_s": self.step_time,
             "stop_reason": self.stop_reason,
             "fell_back_at": self.fell_back_at,
+            "tree_rounds": self.tree_rounds,
+            "nodes_per_tree_round": self.tree_nodes / self.tree_rounds if self.tree_rounds else float("nan"),
+            "tree_wins": dict(self.tree_wins),
         }

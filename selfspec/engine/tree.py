@@ -1,0 +1,128 @@
+"""Draft trees: several candidate continuations, verified in one full-depth forward.
+
+A :class:`DraftTree` is a trie of drafted tokens under the pending token (node
+0, depth 0). Candidate paths go in best first; a path sharing a prefix with an
+earlier one shares its nodes, so every node is a distinct continuation.
+
+Layout on the one positional cache (:mod:`selfspec.engine.cache`): node ``i`` is
+written at slot ``start + i`` and gets position id ``start + depth(i)``; each
+node attends to every committed slot below ``start`` and to its own ancestors
+(:func:`tree_attention_mask`). The first path inserted holds nodes ``1..d`` in
+order, so when it wins no cache row moves; when another path wins, its rows
+(at most the accepted path's, never the cache) are copied down to the committed
+slots ``start+1..`` (:meth:`PositionalKVCache.move_rows`), and everything
+else is dropped by the position rule, as for a chain.
+
+Greedy acceptance (:meth:`DraftTree.accept_greedy`) follows the target's argmax
+from the root while a child carries it: the accepted path is exactly the chain
+AR would have produced, plus the target's next token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DraftTree:
+    """A trie of drafted tokens below the pending token, with a node budget."""
+
+    def __init__(self, root: int, budget: int) -> None:
+        self.tokens = [int(root)]
+        self.parent = [-1]
+        self.depth = [0]
+        self.source = [""]
+        self.children: list[dict[int, int]] = [{}]
+        self.budget = budget
+
+    @property
+    def drafted(self) -> int:
+        """Drafted nodes (the root is the pending token, not a draft)."""
+        return len(self.tokens) - 1
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(len(c) <= 1 for c in self.children)
+
+    def add_path(self, tokens: list[int], source: str, parent: int = 0) -> list[int]:
+        """Insert ``tokens`` below ``parent``; returns the path's nodes (shorter where the budget ran out)."""
+        node, path = parent, []
+        for t in tokens:
+            t = int(t)
+            nxt = self.children[node].get(t)
+            if nxt is None:
+                if self.drafted >= self.budget:
+                    break
+                nxt = len(self.tokens)
+                self.tokens.append(t)
+                self.parent.append(node)
+                self.depth.append(self.depth[node] + 1)
+                self.source.append(source)
+                self.children.append({})
+                self.children[node][t] = nxt
+            path.append(nxt)
+            node = nxt
+        return path
+
+    def ancestors(self) -> torch.Tensor:
+        """``[N, N]`` bool: ``[i, j]`` is true where node ``j`` is node ``i`` or one of its ancestors."""
+        n = len(self.tokens)
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                anc[i, j] = True
+                j = self.parent[j]
+        return anc
+
+    def accept_greedy(self, argmax: list[int]) -> tuple[list[int], int]:
+        """The accepted nodes (root excluded) and the target's next token, from the per-node argmax."""
+        node, path = 0, []
+        while True:
+            nxt = self.children[node].get(argmax[node])
+            if nxt is None:
+                return path, argmax[node]
+            path.append(nxt)
+            node = nxt
+
+    def winner(self, path: list[int]) -> str:
+        """Which candidate the accepted path came from (the source of its deepest node)."""
+        return self.source[path[-1]] if path else "none"
+
+
+def tree_attention_mask(model, tree: DraftTree, start: int, device) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The verify forward's attention mask for ``tree`` written at slots ``start..``.
+
+    ``[1, 1, N, start+N]``: every committed slot, then the node's ancestors. For
+    sliding-window layers (Gemma3, Qwen2 with a window) the window is applied on
+    position ids, as the model's own mask does (a key is seen while its position is
+    above the query's minus the window); the model then gets one mask per layer type.
+    Boolean (true = attend) for SDPA, additive float for eager attention.
+    """
+    config = model.config.get_text_config(decoder=True)
+    n = len(tree.tokens)
+    depth = torch.tensor(tree.depth, dtype=torch.long)
+    full = torch.ones(n, start + n, dtype=torch.bool)
+    full[:, start:] = tree.ancestors()
+    masks = {"full_attention": full}
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in layer_types and window:
+        key_pos = torch.cat([torch.arange(start), start + depth])
+        query_pos = start + depth
+        masks["sliding_attention"] = full & (key_pos[None, :] > query_pos[:, None] - window)
+    dtype = next(model.parameters()).dtype
+    eager = getattr(config, "_attn_implementation", "sdpa") == "eager"
+
+    def prepared(m: torch.Tensor) -> torch.Tensor:
+        m = m[None, None].to(device)
+        if eager:
+            return torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, torch.finfo(dtype).min)
+        return m
+
+    if len(masks) == 1:
+        return prepared(full)
+    return {name: prepared(m) for name, m in masks.items()}
