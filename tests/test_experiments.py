@@ -378,3 +378,21 @@ def test_task_set_rows_carry_their_references():
     assert he.reference["entry_point"] == "add" and HUMANEVAL_REF["prompt"] in he.turns[0]
     gsm = FORMATS["gsm8k"]({"question": "How many?", "answer": "#### 3"}, 7, {})
     assert gsm.reference == {"answer": "#### 3"} and gsm.id == "gsm8k/7"
+
+
+def test_method_variants_run_side_by_side_with_their_own_options(tmp_path, tiny_plan):
+    run = tmp_path / "run"
+    p = _evaluate("model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none",
+                  "methods=[autoregressive,self_speculative,self_speculative-tree]",
+                  "+method_options.self_speculative-tree.ngram=1",
+                  "+method_options.self_speculative-tree.copy_candidates=3", f"hydra.run.dir={run}", cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    info = lines[0]["fingerprint"]["method_info"]
+    assert "self_speculative" not in info  # the plan's own draft: no options beyond the plan
+    assert info["self_speculative-tree"]["copy_candidates"] == 3 and info["self_speculative-tree"]["ngram"] == 1
+    assert {r["method"] for r in lines[1:]} == {"autoregressive", "self_speculative", "self_speculative-tree"}
+    outputs = {}
+    for r in lines[1:]:
+        outputs.setdefault(r["sample_id"], set()).add(r["output_sha256"])
+    assert all(len(v) == 1 for v in outputs.values())  # fp32 greedy: the same text from all three

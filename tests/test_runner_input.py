@@ -120,3 +120,19 @@ def test_packed_weights_off_the_cpu_is_one_clear_error():
     meta.model.to("meta")  # stands for a GPU: no device here can run the oneDNN kernels but the CPU
     with pytest.raises(SelfSpecError, match="packed_weights uses CPU .*decoding.packed_weights=false"):
         build_method("autoregressive", meta, DecodeConfig())
+
+
+def test_method_variants_take_their_methods_options_and_their_own(lm):
+    from selfspec.eval.methods import method_options, split_variant
+
+    options = {"hf_prompt_lookup": {"num_tokens": 5, "max_ngram": 3}, "hf_prompt_lookup-short": {"num_tokens": 2}}
+    assert split_variant("hf_prompt_lookup_stock-short") == ("hf_prompt_lookup_stock", "short")
+    assert method_options("hf_prompt_lookup-short", options) == {"num_tokens": 2, "max_ngram": 3}
+    assert method_options("hf_prompt_lookup_stock-short", options) == {"num_tokens": 5, "max_ngram": 3}
+    assert method_options("hf_prompt_lookup", options) == {"num_tokens": 5, "max_ngram": 3}
+    m = build_method("hf_prompt_lookup-short", lm, DecodeConfig(max_new_tokens=4),
+                     options=method_options("hf_prompt_lookup-short", options))
+    assert m.name == "hf_prompt_lookup-short" and m.info["num_tokens"] == 2
+    for bad in ("hf_prompt_lookup-", "nope-x", "hf_prompt_lookup-a.b"):
+        with pytest.raises(SelfSpecError, match="unknown method"):
+            build_method(bad, lm, DecodeConfig())

@@ -115,10 +115,10 @@ def decode_config(cfg: DictConfig, dataset_max_new: int, spec: DraftSpec | None)
     return typed(DecodeConfig, {**d, "sampling": sampling}, "decoding")
 
 
-def draft_options(spec: DraftSpec, overrides: dict | None) -> dict:
+def draft_options(spec: DraftSpec, overrides: dict | None, where: str = "method_options.self_speculative") -> dict:
     """The draft file's options with the keys a config sets (``method_options.self_speculative``) on top."""
     known = dataclasses.asdict(spec.options)
     unknown = sorted(set(overrides or {}) - set(known))
     if unknown:
-        raise SelfSpecError(f"unknown key {', '.join(unknown)} in method_options.self_speculative; known: {', '.join(known)}")
+        raise SelfSpecError(f"unknown key {', '.join(unknown)} in {where}; known: {', '.join(known)}")
     return {**known, **(overrides or {})}

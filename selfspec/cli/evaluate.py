@@ -28,7 +28,7 @@ from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, decode
 from selfspec.cli.jobs import job_failed, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
 from selfspec.draft.spec import DraftSpec
-from selfspec.eval.methods import build_method, options_key
+from selfspec.eval.methods import build_method, method_options, split_variant
 from selfspec.eval.records import summarize
 from selfspec.eval.runner import EvalSettings, evaluate
 from selfspec.provenance import provenance
@@ -42,11 +42,12 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
     set_threads(cfg)
     tasks = load_task_set(dataset_config(cfg), cfg.model.cache_dir)
     methods = list(cfg.methods)
+    ours = [m for m in methods if split_variant(m)[0] == "self_speculative"]
     spec = None
     lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)
-    if "self_speculative" in methods and cfg.plan == "empty":  # draft = every sublayer, cheaper weights/head
+    if ours and cfg.plan == "empty":  # draft = every sublayer, cheaper weights/head
         spec = DraftSpec(SkipPlan(lm.num_layers, model=lm.name))
-    elif "self_speculative" in methods:
+    elif ours:
         plan_path = Path(cfg.plan)
         if not plan_path.is_file():
             raise SelfSpecError(f"no draft file at {plan_path}: run `python -m selfspec.search model={cfg.model.name}` "
@@ -55,9 +56,10 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
     plan = spec.plan if spec is not None else None
     dcfg = decode_config(cfg, tasks.max_new_tokens, spec)
     options = plain(cfg.method_options)
-    if spec is not None:
-        options["self_speculative"] = draft_options(spec, options.get("self_speculative"))
-    built = [build_method(m, lm, dcfg, plan, options.get(options_key(m))) for m in methods]
+    chosen = {m: method_options(m, options) for m in methods}
+    for m in ours:
+        chosen[m] = draft_options(spec, chosen[m], f"method_options.{m}")
+    built = [build_method(m, lm, dcfg, plan, chosen[m]) for m in methods]
     resolved = plain(cfg)
     header = {"provenance": provenance({"config": resolved, "model_source": lm.source}),
               "model": lm.name, "dataset": tasks.name, "dtype": lm.info.get("dtype"), "seed": cfg.seed}

@@ -164,23 +164,41 @@ OPTIONS: dict[str, type] = {  # each method's own settings (method_options.<name
 }
 
 
+def split_variant(name: str) -> tuple[str, str]:
+    """``self_speculative-tree`` -> (``self_speculative``, ``tree``): a method may run several times in one run,
+    each variant under its own name with its own ``method_options.<name>`` on top of the method's."""
+    base, _, label = name.partition("-")
+    return base, label
+
+
 def options_key(name: str) -> str:
     """The ``method_options`` key of a method: a stock variant takes its method's options."""
-    return name.removesuffix("_stock")
+    return split_variant(name)[0].removesuffix("_stock")
+
+
+def method_options(name: str, options: dict) -> dict | None:
+    """A method's own settings from ``method_options``: its method's, then its variant's on top."""
+    base = options.get(options_key(name))
+    if not split_variant(name)[1]:
+        return base
+    return {**(base or {}), **(options.get(name) or {})}
 
 
 def build_method(name: str, lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None = None,
                  options: dict | None = None) -> Method:
-    """Build method ``name``; ``options`` are the method's own settings (``method_options.<name>``)."""
-    if name not in BUILDERS:
-        raise SelfSpecError(f"unknown method {name!r}; choose from {', '.join(BUILDERS)}")
+    """Build method ``name`` (or its variant ``name-label``); ``options`` are its own settings
+    (:func:`method_options`)."""
+    base, label = split_variant(name)
+    if base not in BUILDERS or ("-" in name and not label.replace("_", "").isalnum()):
+        raise SelfSpecError(f"unknown method {name!r}; choose from {', '.join(BUILDERS)} "
+                            "(a variant: <method>-<label>, label of letters, digits and _)")
     if plan is not None:
         plan.check_model(lm.num_layers, lm.name)
     device = next(lm.model.parameters()).device
-    if cfg.packed_weights and not name.endswith("_stock") and device.type != "cpu":
+    if cfg.packed_weights and not base.endswith("_stock") and device.type != "cpu":
         raise SelfSpecError(f"decoding.packed_weights uses CPU (oneDNN) kernels and the model is on {device}; "
                             "set decoding.packed_weights=false there")
-    if cfg.packed_only and name not in OUR_METHODS:
+    if cfg.packed_only and base not in OUR_METHODS:
         raise SelfSpecError(f"method {name} runs the model as loaded, but packed_only frees its dense weights; "
                             "run it in a separate run without decoding.packed_only")
     key = options_key(name)
@@ -190,4 +208,6 @@ def build_method(name: str, lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan |
         raise SelfSpecError(f"method {name} takes no options, got method_options.{key}={options}")
     else:
         opts = None
-    return BUILDERS[name](lm, cfg, plan, opts)
+    method = BUILDERS[base](lm, cfg, plan, opts)
+    method.name = name
+    return method
