@@ -5,7 +5,9 @@
 
 Each setting is a space-separated list of key=value: plan (a draft or plan file, `empty`, or `default`
 for results/plans/<model>-default.json; its options and k unless given), weights (model|int8|int4), group (int4 group size),
-head (draft LM head tokens, 0 = full), ngram, copy (longest copy draft, 0 = k), k, adaptive (0|1), threshold.
+head (draft LM head tokens, 0 = full), ngram, copy (longest copy draft, 0 = k), cands (copy candidates of a
+draft tree), branch (branch_below of a draft tree), nodes (tree node budget), rows (padded forward rows), k,
+adaptive (0|1), threshold.
 Prompts are the datasets' *calibration* samples (never the eval ones). AR and each setting
 run interleaved per prompt after a warm-up (selfspec.eval.harness); the ratio of total tokens/s is printed and
 appended as one JSON line to --out.
@@ -38,7 +40,10 @@ def parse(setting: str, model: str, num_layers: int) -> tuple[SkipPlan, DraftOpt
     o = spec.options
     opts = DraftOptions(weights=kv.get("weights", o.weights), group_size=int(kv.get("group", o.group_size)),
                         head_tokens=int(kv.get("head", o.head_tokens)), ngram=int(kv.get("ngram", o.ngram)),
-                        copy_tokens=int(kv.get("copy", o.copy_tokens)))
+                        copy_tokens=int(kv.get("copy", o.copy_tokens)),
+                        copy_candidates=int(kv.get("cands", o.copy_candidates)),
+                        branch_below=float(kv.get("branch", o.branch_below)),
+                        tree_nodes=int(kv.get("nodes", o.tree_nodes)))
     kv.setdefault("k", str(spec.k))
     kv.setdefault("adaptive", "1" if spec.adaptive else "0")
     kv.setdefault("threshold", str(spec.threshold))
@@ -64,7 +69,7 @@ def main() -> None:
         build_s = time.perf_counter() - t0
         cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, k=int(kv.get("k", 3)),
                            adaptive=kv.get("adaptive", "0") == "1", threshold=float(kv.get("threshold", 0.5)),
-                           fallback=False)
+                           fallback=False, rows=int(kv.get("rows", 1)))
         outputs: dict[str, list[list[int]]] = {"ar": [], "sp": []}
         runs = {"ar": recording(plan_runner(lm.model, lm.eos_ids, None, cfg), outputs["ar"]),
                 "sp": recording(plan_runner(lm.model, lm.eos_ids, plan, cfg, draft=path), outputs["sp"])}
@@ -80,7 +85,9 @@ def main() -> None:
             "acceptance": round(t["acceptance_rate"], 3), "tokens_per_round": round(t["mean_accepted_length"], 3),
             "draft_step_over_ar_step": round(sp.draft_time / max(sp.drafted, 1) / step, 3),
             "verify_over_ar_step": round(sp.verify_time / max(sp.rounds, 1) / step, 3),
-            "copy_rounds": sp.copy_rounds, "identical": f"{match}/{len(prompts)}",
+            "copy_rounds": sp.copy_rounds, "tree_rounds": sp.tree_rounds,
+            "nodes_per_tree_round": round(t["nodes_per_tree_round"], 2), "tree_wins": sp.tree_wins,
+            "identical": f"{match}/{len(prompts)}",
             "extra_mb": round(path.extra_bytes / 2**20), "build_s": round(build_s, 1), "git_commit": git_commit(),
         }
         print(json.dumps(res), flush=True)

@@ -136,3 +136,14 @@ def test_method_variants_take_their_methods_options_and_their_own(lm):
     for bad in ("hf_prompt_lookup-", "nope-x", "hf_prompt_lookup-a.b"):
         with pytest.raises(SelfSpecError, match="unknown method"):
             build_method(bad, lm, DecodeConfig())
+
+
+def test_a_method_variant_may_pad_its_own_forwards(lm):
+    cfg = DecodeConfig(max_new_tokens=4, k=2)
+    m = build_method("autoregressive-exact", lm, cfg, options={"decoding": {"rows": 3, "exact": True}})
+    assert m.cfg.rows == 3 and m.cfg.exact and m.cfg.k == 2 and m.cfg.max_new_tokens == 4
+    assert build_method("autoregressive", lm, cfg).cfg.rows == cfg.rows
+    with pytest.raises(SelfSpecError, match="may set rows, exact"):
+        build_method("autoregressive-x", lm, cfg, options={"decoding": {"max_new_tokens": 9}})
+    with pytest.raises(SelfSpecError, match="applies to our own loop"):
+        build_method("hf_generate-x", lm, cfg, options={"decoding": {"rows": 3}})

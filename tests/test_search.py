@@ -33,7 +33,7 @@ from selfspec.search.study import (
 PROMPTS = [[5, 9, 12, 40, 41, 7], [8, 8, 30, 2 + 4, 77, 100, 3]]
 FORMATS = {"model": SublayerCosts(0.1, 0.1, 0.125), "int8": SublayerCosts(0.1, 0.05, 0.06),
            "int4-g32": SublayerCosts(0.1, 0.03, 0.035), "int4-g128": SublayerCosts(0.1, 0.028, 0.033)}
-COSTS = CostModel(t_full=1.0, t_verify={m: 1.0 + 0.01 * m for m in range(2, 12)}, num_layers=4, draft=FORMATS,
+COSTS = CostModel(t_full=1.0, t_verify={m: 1.0 + 0.01 * m for m in range(2, 14)}, num_layers=4, draft=FORMATS,
                   head={16384: 0.05, 32768: 0.03})
 
 
@@ -88,7 +88,7 @@ def test_a_study_on_another_machine_is_rescored_from_its_round_counts(tmp_path, 
     space = SearchSpace(4, dims=DraftDims(head_tokens=(0,), threshold=(0.4,), group_size=(32,)))
     study = open_study(tmp_path / "s.db", "m", "tiny", "random", 0)
     run_search(study, space, PredictedObjective(simulator, COSTS), n_trials=12)
-    slow_verify = CostModel.from_dict({**COSTS.to_dict(), "t_verify": {str(m): 3.0 for m in range(2, 12)}})
+    slow_verify = CostModel.from_dict({**COSTS.to_dict(), "t_verify": {str(m): 3.0 for m in range(2, 14)}})
     here = top_drafts(study, space, 12)
     there = top_drafts(study, space, 12, costs=slow_verify)
     assert {r.trial.number for r in here} == {r.trial.number for r in there}

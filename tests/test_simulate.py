@@ -16,8 +16,13 @@ SPECS = {
     "copy": DraftSpec(SkipPlan(N_LAYERS, attn=(2,)), DraftOptions(ngram=1, copy_tokens=6), k=2),
     "head": DraftSpec(SkipPlan(N_LAYERS, mlp=(1,)), DraftOptions(head_tokens=40), k=4),
     "adaptive": DraftSpec(SkipPlan(N_LAYERS, attn=(1,)), k=4, adaptive=True, threshold=0.3),
+    "copy_tree": DraftSpec(SkipPlan(N_LAYERS, attn=(2,)), DraftOptions(ngram=1, copy_tokens=6, copy_candidates=3,
+                                                                       tree_nodes=10), k=2),
+    "branch_tree": DraftSpec(SkipPlan(N_LAYERS, attn=(1,), mlp=(2,)), DraftOptions(branch_below=0.6, tree_nodes=5),
+                             k=4),
 }
-PROMPTS = [PROMPT, [5, 9, 11, 5, 9, 11, 5, 9, 11, 7], list(range(40, 60))]
+PROMPTS = [PROMPT, [5, 9, 11, 5, 9, 11, 5, 9, 11, 7], list(range(40, 60)),
+           [5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 11, 12, 3, 4, 5, 6, 7, 13]]
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -34,7 +39,12 @@ def test_simulated_rounds_equal_a_real_greedy_run(make_model, arch, name):
     assert [g.tokens for g in real] == conts  # greedy: the draft changes the rounds, never the text
     assert counts.accepted == sum(g.stats.accepted for g in real)
     assert counts.rounds == sum(g.stats.rounds for g in real)
-    assert sum(counts.copy_rounds.values()) == sum(g.stats.copy_rounds for g in real)
+    copy_trees = sum(v for (m, _), v in counts.tree_rounds.items() if m == 0)
+    assert sum(counts.copy_rounds.values()) + copy_trees == sum(g.stats.copy_rounds for g in real)
+    assert sum(counts.tree_rounds.values()) == sum(g.stats.tree_rounds for g in real)
+    assert sum(n * v for (_, n), v in counts.tree_rounds.items()) == sum(g.stats.tree_nodes for g in real)
+    if spec.options.tree:
+        assert counts.tree_rounds, "the prompts should make this draft branch"
     assert counts.tokens == sum(g.stats.new_tokens - 1 for g in real)
     if not spec.adaptive:  # the adaptive exit's drafted length is exact only while the draft agrees
         assert counts.drafted == sum(g.stats.drafted for g in real)
@@ -44,5 +54,8 @@ def test_simulated_rounds_equal_a_real_greedy_run(make_model, arch, name):
 def test_counts_round_trip():
     from selfspec.search.simulate import RoundCounts
 
-    c = RoundCounts(10, 1, {2: 3}, {5: 1}, 11, 6)
+    c = RoundCounts(10, 1, {2: 3}, {5: 1}, 11, 6, {(0, 7): 2, (3, 5): 1})
     assert RoundCounts.from_dict(c.to_dict()) == c
+    old = c.to_dict()
+    del old["tree_rounds"]  # trials stored before draft trees existed
+    assert RoundCounts.from_dict(old).tree_rounds == {}

@@ -178,7 +178,7 @@ def test_tree_options_are_recorded_only_when_on():
     assert "tree_nodes" not in DraftOptions(ngram=1).record()
     assert DraftOptions(copy_candidates=3).tree is False  # no copy drafting, no candidates
     rec = DraftOptions(ngram=1, copy_candidates=3).record()
-    assert rec["copy_candidates"] == 3 and rec["tree_nodes"] == 32
+    assert rec["copy_candidates"] == 3 and rec["tree_nodes"] == 12
     assert DraftOptions(branch_below=0.3).record()["branch_below"] == 0.3
     a, b = DraftSpec(SkipPlan(N), DraftOptions(ngram=1)), DraftSpec(SkipPlan(N), DraftOptions(ngram=1, copy_candidates=3))
     assert a.key != b.key and "3 copy candidates" in b.describe()

@@ -58,7 +58,9 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
     options = plain(cfg.method_options)
     chosen = {m: method_options(m, options) for m in methods}
     for m in ours:
-        chosen[m] = draft_options(spec, chosen[m], f"method_options.{m}")
+        own = dict(chosen[m] or {})
+        decoding = own.pop("decoding", None)  # per-method decoding settings (build_method checks them)
+        chosen[m] = {**draft_options(spec, own, f"method_options.{m}"), **({"decoding": decoding} if decoding else {})}
     built = [build_method(m, lm, dcfg, plan, chosen[m]) for m in methods]
     resolved = plain(cfg)
     header = {"provenance": provenance({"config": resolved, "model_source": lm.source}),

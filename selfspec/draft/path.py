@@ -55,7 +55,7 @@ class DraftOptions:
     # draft trees (greedy decoding only; selfspec.engine.tree): several candidates in one verify forward
     copy_candidates: int = 1  # distinct continuations of earlier n-gram matches, latest first; 1 = a chain
     branch_below: float = 0.0  # model drafts add the 2nd-best token where the top probability is below this
-    tree_nodes: int = 32  # most drafted nodes a tree verifies at once
+    tree_nodes: int = 12  # most drafted nodes a tree verifies at once (wider verifies cost more: PERF.md)
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:

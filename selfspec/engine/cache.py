@@ -42,9 +42,10 @@ class _PositionalLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = True
 
-    def __init__(self, window: _Window, max_len: int, sliding: bool) -> None:
+    def __init__(self, window: _Window, max_len: int, sliding: bool, fixed_keys: bool = False) -> None:
         super().__init__()
         self.window = window
+        self.fixed_keys = fixed_keys
         self.max_len = max_len
         self.is_sliding = sliding
 
@@ -69,10 +70,12 @@ class _PositionalLayer(CacheLayerMixin):
             )
         self.keys[:, :, start:end] = key_states
         self.values[:, :, start:end] = value_states
+        if self.fixed_keys:
+            return self.keys, self.values
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.window.end, 0
+        return (self.max_len if self.fixed_keys else self.window.end), 0
 
     def get_seq_length(self) -> int:
         return self.window.start
@@ -85,17 +88,22 @@ class PositionalKVCache(Cache):
     """Preallocated KV cache for one sequence; the caller owns positions.
 
     API used by the decoding loop: :meth:`seek` (set the write window of the
-    next forward) and :attr:`max_len`. Everything else is the
+    next forward), :meth:`move_rows` and :attr:`max_len`. With ``fixed_keys`` every
+    forward attends over all ``max_len`` slots (the caller masks what lies ahead:
+    :func:`selfspec.engine.masks.causal_mask`), so every forward reduces over the same
+    number of keys (exact greedy mode, :class:`~selfspec.engine.decoding.DecodeConfig`). Everything else is the
     `transformers.Cache` interface the model's attention layers call.
     """
 
-    def __init__(self, model, max_len: int, batch_size: int = 1) -> None:
+    def __init__(self, model, max_len: int, batch_size: int = 1, fixed_keys: bool = False) -> None:
         config = model.config.get_text_config(decoder=True)
         n = num_layers(model)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n
         self.window = _Window()
         self._max_len = int(max_len)
-        layers = [_PositionalLayer(self.window, self._max_len, t == "sliding_attention") for t in layer_types[:n]]
+        self.fixed_keys = fixed_keys
+        layers = [_PositionalLayer(self.window, self._max_len, t == "sliding_attention", fixed_keys)
+                  for t in layer_types[:n]]
         super().__init__(layers=layers)
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -139,7 +147,7 @@ class PositionalKVCache(Cache):
         return self.window.start
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.window.end, 0
+        return (self._max_len if self.fixed_keys else self.window.end), 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self._max_len

@@ -31,6 +31,7 @@ from selfspec.draft.packed import packed_weights
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.plan import SkipPlan
 from selfspec.engine.cache import PositionalKVCache
+from selfspec.engine.masks import causal_mask
 from selfspec.engine.sampling import (
     SamplingParams,
     probs_from_logits,
@@ -59,6 +60,18 @@ class DecodeConfig:
     computes on the packed weights outside our loop too (same results), so
     transformers' methods cannot serve as a stock baseline in that process.
 
+    ``rows``: every full-model forward of our loop over fewer tokens (a plain step, a short
+    verify) is padded to this many rows (:func:`forward_at`): same tokens, and on CPU kernels
+    that read the weights faster over a few rows than over one, faster steps. Draft steps stay
+    one row (the int8/int4 draft kernels cost more per row).
+
+    ``exact``: greedy self-speculative output token-identical to greedy autoregressive output
+    in bf16 too. Every full-model forward then has ``rows`` rows and attends over the same
+    number of keys (the whole preallocated cache, masked), so a token's row goes through the
+    same kernels with the same reductions in an AR step and in a verify pass. ``rows`` must
+    cover the longest verify (k+1, copy_tokens+1); the AR baseline must run with the same
+    ``rows`` and ``exact``. Chains only: draft trees are refused.
+
     Fallback: after ``fallback_min_rounds`` rounds, when the running
     tokens-per-round times the verify time falls under the running round
     time (speculation predicted slower than plain decoding), the request
@@ -77,6 +90,8 @@ class DecodeConfig:
     seed: int = 0
     packed_weights: bool = True
     packed_only: bool = False
+    rows: int = 6  # measured fastest on this project's CPU (conf/decoding/default.yaml); 1 = no padding
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
@@ -85,6 +100,11 @@ class DecodeConfig:
             raise SelfSpecError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if not 0.0 <= self.threshold < 1.0:
             raise SelfSpecError(f"threshold must be in [0, 1), got {self.threshold}")
+        if isinstance(self.rows, bool) or not isinstance(self.rows, int) or not 1 <= self.rows <= 64:
+            raise SelfSpecError(f"rows (padded forward width) must be an integer in 1..64, got {self.rows!r}")
+        if self.exact and self.rows < 2:
+            raise SelfSpecError("exact greedy pads every full-model forward to `rows` rows: set rows to the longest "
+                                "verify (k+1, or copy_tokens+1 with copy drafting)")
         if self.packed_only and not self.packed_weights:
             raise SelfSpecError("packed_only frees the dense weights of packed ones: it needs packed_weights=true")
 
@@ -99,7 +119,7 @@ class Generation:
 
 def forward_at(model, cache: PositionalKVCache, tokens: torch.Tensor, start: int, keep: int,
                positions: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None,
-               attention_mask=None) -> torch.Tensor:
+               attention_mask=None, rows: int = 1) -> torch.Tensor:
     """The one forward everything uses: ``tokens`` at absolute positions ``start..`` on ``cache``.
 
     Seeks the cache, passes the positions explicitly, and returns the logits
@@ -107,19 +127,31 @@ def forward_at(model, cache: PositionalKVCache, tokens: torch.Tensor, start: int
     preallocated ``[1, >= start+n]`` row of position ids to slice from. A draft tree's
     verify passes its own ``position_ids`` (by depth) and ``attention_mask``
     (:func:`selfspec.engine.tree.tree_attention_mask`); the tokens still fill slots ``start..``.
+
+    ``rows``: a forward over fewer tokens is padded to this many rows (copies of the last
+    token at the next positions, after the real ones, so the causal mask hides them from the
+    real rows; their cache slots are overwritten before any forward reads them). On CPU a
+    matrix product over a few rows can read the weights faster than over one
+    (``scripts/verify_width.py``). The cache must hold ``rows - n`` slots past the tokens.
     """
     n = tokens.shape[-1]
-    cache.seek(start, n)
+    pad = rows - n if position_ids is None and attention_mask is None else 0
+    if pad > 0:
+        tokens = torch.cat([tokens.reshape(-1), tokens.reshape(-1)[-1:].expand(pad)])
+    width = n + max(pad, 0)
+    cache.seek(start, width)
     if position_ids is not None:
         pos = position_ids.reshape(1, n)
     elif positions is None:
-        pos = torch.arange(start, start + n, device=tokens.device)[None]
+        pos = torch.arange(start, start + width, device=tokens.device)[None]
     else:
-        pos = positions[:, start : start + n]
+        pos = positions[:, start : start + width]
+    if attention_mask is None and cache.fixed_keys:
+        attention_mask = causal_mask(model, start, width, cache.max_len, tokens.device)
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-    out = model(input_ids=tokens.reshape(1, n), position_ids=pos, past_key_values=cache,
-                use_cache=True, logits_to_keep=keep, **kwargs)
-    return out.logits[0]
+    out = model(input_ids=tokens.reshape(1, width), position_ids=pos, past_key_values=cache,
+                use_cache=True, logits_to_keep=keep + max(pad, 0), **kwargs)
+    return out.logits[0, :keep]
 
 
 def context_length(model) -> int | None:
@@ -146,7 +178,9 @@ class Request:
         self.device = next(model.parameters()).device
         self.prompt = ids.to(self.device)
         self.eos = frozenset(int(e) for e in eos_ids)
-        self.cache = PositionalKVCache(model, max_len=need + extra_slots)
+        # exact mode: the same cache length (the keys every forward attends over) for every method
+        slots = cfg.rows if cfg.exact else extra_slots + cfg.rows
+        self.cache = PositionalKVCache(model, max_len=need + slots, fixed_keys=cfg.exact)
         self.positions = torch.arange(self.cache.max_len, device=self.device).unsqueeze(0)
         self.clock = Clock(self.device)
         self.stats = DecodeStats(method=method, prompt_tokens=ids.numel())
@@ -160,9 +194,11 @@ class Request:
         self.t_start = 0.0
 
     # -- the one forward both methods use ------------------------------------------
-    def forward(self, tokens: torch.Tensor, start: int, keep: int) -> torch.Tensor:
-        """Logits ``[keep, V]`` for the last ``keep`` of ``tokens`` placed at ``start..``."""
-        return forward_at(self.model, self.cache, tokens, start, keep, self.positions)
+    def forward(self, tokens: torch.Tensor, start: int, keep: int, rows: int | None = None) -> torch.Tensor:
+        """Logits ``[keep, V]`` for the last ``keep`` of ``tokens`` placed at ``start..``
+        (padded to ``rows``, by default the config's: see :class:`DecodeConfig`)."""
+        return forward_at(self.model, self.cache, tokens, start, keep, self.positions,
+                          rows=self.cfg.rows if rows is None else rows)
 
     def pick(self, logits: torch.Tensor) -> int:
         """The target's choice from one row of logits (argmax or a sample of p)."""
@@ -301,7 +337,7 @@ class Speculator:
         self.alternates = []
         with self.path.drafting():
             for j in range(k):
-                logits = run.forward(run.token_tensor([x]), run.pos + j, keep=1)[-1]
+                logits = run.forward(run.token_tensor([x]), run.pos + j, keep=1, rows=1)[-1]
                 if greedy and branch:
                     top = logits.float().softmax(-1).topk(2)
                     x, conf = int(top.indices[0]), float(top.values[0])
@@ -450,6 +486,13 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
         raise SelfSpecError("the draft path was built for another plan or model")
     opts = draft.options
     longest = max(cfg.k, opts.copy_tokens if opts.ngram else 0, opts.tree_nodes if opts.tree else 0)
+    if cfg.exact and opts.tree:
+        raise SelfSpecError("exact greedy verifies chains: draft trees (copy_candidates > 1, branch_below > 0) "
+                            "are not supported with exact=true")
+    if cfg.exact and longest + 1 > cfg.rows:
+        raise SelfSpecError(f"exact greedy needs rows >= the longest verify ({longest + 1} tokens with k={cfg.k}"
+                            f"{f', copy_tokens={opts.copy_tokens}' if opts.ngram and opts.copy_tokens else ''}); "
+                            f"got rows={cfg.rows}")
     if opts.tree and not cfg.sampling.greedy:
         warnings.warn("draft trees verify greedy decoding only; this sampling run drafts chains", stacklevel=2)
     run = Request(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from selfspec.engine.masks import layer_masks
+
 
 class DraftTree:
     """A trie of drafted tokens below the pending token, with a node budget."""
@@ -88,6 +90,16 @@ class DraftTree:
             path.append(nxt)
             node = nxt
 
+    def accept_greedy_along(self, target: list[int]) -> list[int]:
+        """The accepted nodes when the target's greedy continuation is ``target`` (the search's simulator)."""
+        node, path = 0, []
+        for t in target:
+            node = self.children[node].get(t)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
     def winner(self, path: list[int]) -> str:
         """Which candidate the accepted path came from (the source of its deepest node)."""
         return self.source[path[-1]] if path else "none"
@@ -96,33 +108,11 @@ class DraftTree:
 def tree_attention_mask(model, tree: DraftTree, start: int, device) -> torch.Tensor | dict[str, torch.Tensor]:
     """The verify forward's attention mask for ``tree`` written at slots ``start..``.
 
-    ``[1, 1, N, start+N]``: every committed slot, then the node's ancestors. For
-    sliding-window layers (Gemma3, Qwen2 with a window) the window is applied on
-    position ids, as the model's own mask does (a key is seen while its position is
-    above the query's minus the window); the model then gets one mask per layer type.
-    Boolean (true = attend) for SDPA, additive float for eager attention.
+    ``[1, 1, N, start+N]``: every committed slot, then the node's ancestors
+    (see :func:`selfspec.engine.masks.layer_masks` for sliding windows and dtypes).
     """
-    config = model.config.get_text_config(decoder=True)
     n = len(tree.tokens)
     depth = torch.tensor(tree.depth, dtype=torch.long)
-    full = torch.ones(n, start + n, dtype=torch.bool)
-    full[:, start:] = tree.ancestors()
-    masks = {"full_attention": full}
-    layer_types = getattr(config, "layer_types", None) or []
-    window = getattr(config, "sliding_window", None)
-    if "sliding_attention" in layer_types and window:
-        key_pos = torch.cat([torch.arange(start), start + depth])
-        query_pos = start + depth
-        masks["sliding_attention"] = full & (key_pos[None, :] > query_pos[:, None] - window)
-    dtype = next(model.parameters()).dtype
-    eager = getattr(config, "_attn_implementation", "sdpa") == "eager"
-
-    def prepared(m: torch.Tensor) -> torch.Tensor:
-        m = m[None, None].to(device)
-        if eager:
-            return torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, torch.finfo(dtype).min)
-        return m
-
-    if len(masks) == 1:
-        return prepared(full)
-    return {name: prepared(m) for name, m in masks.items()}
+    allowed = torch.ones(n, start + n, dtype=torch.bool)
+    allowed[:, start:] = tree.ancestors()
+    return layer_masks(model, allowed, start + depth, torch.cat([torch.arange(start), start + depth]), device)

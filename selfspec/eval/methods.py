@@ -12,7 +12,7 @@ and count new tokens the same way (EOS included, cut at ``max_new_tokens``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from selfspec.assets.models import LoadedModel, load_model
@@ -171,6 +171,11 @@ def split_variant(name: str) -> tuple[str, str]:
     return base, label
 
 
+# decoding settings a method (variant) may set for itself (method_options.<name>.decoding): how our loop
+# pads its forwards and the draft's length policy; the rest (max_new_tokens, sampling, ...) a run shares
+PER_METHOD_DECODING = ("rows", "exact", "k", "adaptive", "threshold")
+
+
 def options_key(name: str) -> str:
     """The ``method_options`` key of a method: a stock variant takes its method's options."""
     return split_variant(name)[0].removesuffix("_stock")
@@ -201,6 +206,17 @@ def build_method(name: str, lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan |
     if cfg.packed_only and base not in OUR_METHODS:
         raise SelfSpecError(f"method {name} runs the model as loaded, but packed_only frees its dense weights; "
                             "run it in a separate run without decoding.packed_only")
+    options = dict(options or {})
+    decoding = options.pop("decoding", None)
+    if decoding:
+        unknown = sorted(set(decoding) - set(PER_METHOD_DECODING))
+        if unknown:
+            raise SelfSpecError(f"method_options.{name}.decoding may set {', '.join(PER_METHOD_DECODING)}; "
+                                f"got {', '.join(unknown)} (the others are shared by every method of a run)")
+        if base not in OUR_METHODS:
+            raise SelfSpecError(f"method_options.{name}.decoding applies to our own loop, not to {base}")
+        fields = {**asdict(cfg), **decoding}
+        cfg = typed(DecodeConfig, {**fields, "sampling": asdict(cfg.sampling)}, f"method_options.{name}.decoding")
     key = options_key(name)
     if key in OPTIONS:
         opts = typed(OPTIONS[key], options, f"method_options.{key}")

@@ -12,7 +12,8 @@ round counts). Measured, all on the weights decoding uses (packed bf16):
 - per draft head size ``N``: what scoring N token ids instead of all saves (``head``).
 
 A draft round with ``m`` tokens drafted costs ``m x t_step + t_verify[m+1]``, a
-copy round ``t_verify[m+1]``, a plain step ``t_full``; the predicted speedup of
+copy round ``t_verify[m+1]``, a draft-tree round of ``nodes`` nodes ``m x t_step + t_verify[nodes+1]``
+(``m`` = 0 for copy trees), a plain step ``t_full``; the predicted speedup of
 a draft is ``tokens x t_full / time`` over the simulated rounds.
 """
 
@@ -89,6 +90,7 @@ class CostModel:
         t = counts.plain_steps * plain
         t += sum(n * (m * step + self._verify(m + 1)) for m, n in counts.model_rounds.items())
         t += sum(n * self._verify(m + 1) for m, n in counts.copy_rounds.items())
+        t += sum(n * (m * step + self._verify(nodes + 1)) for (m, nodes), n in counts.tree_rounds.items())
         return t
 
     def _verify(self, m: int) -> float:
@@ -125,9 +127,10 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
     ctx = list(context)
     cache = PositionalKVCache(model, max_len=len(ctx) + max_verify + 1)
     tokens = torch.tensor(ctx, dtype=torch.long, device=device)
+    probe = torch.tensor((ctx * (max_verify // max(len(ctx), 1) + 1))[:max_verify], dtype=torch.long, device=device)
     full, all_attn, all_mlp = SkipPlan(n), SkipPlan(n, attn=tuple(range(n))), SkipPlan(n, mlp=tuple(range(n)))
     configs: dict[str, tuple[int, Callable[[], ExitStack]]] = {"full": (1, ExitStack)}
-    for m in range(2, min(max_verify, len(ctx)) + 1):
+    for m in range(2, max_verify + 1):
         configs[f"verify{m}"] = (m, ExitStack)
     paths: dict[str, DraftPath] = {}
     for opts in formats:
@@ -149,7 +152,7 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
             for name, (m, ctx_manager) in configs.items():
                 with ctx_manager():
                     t0 = clock.now()
-                    forward_at(model, cache, tokens[:m], len(ctx), keep=1)
+                    forward_at(model, cache, probe[:m], len(ctx), keep=1)
                     dt = clock.now() - t0
                 if rep:  # repetition 0 is the warm-up
                     times[name].append(dt)
@@ -161,7 +164,7 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
         attn, mlp = max(t_all - t_no_attn, 0.0) / n, max(t_all - t_no_mlp, 0.0) / n
         draft[fmt] = SublayerCosts(base=max(t_all - n * (attn + mlp), 0.0), attn=attn, mlp=mlp)
     head = {size: med["head0"] - med[f"head{size}"] for size in head_tokens if size}
-    verify = {m: med[f"verify{m}"] for m in range(2, min(max_verify, len(ctx)) + 1)}
+    verify = {m: med[f"verify{m}"] for m in range(2, max_verify + 1)}
     costs = CostModel(t_full=med["full"], t_verify=verify, num_layers=n, draft=draft, head=head, machine=machine or {})
     costs.overhead = loop_overheads(model, ctx[: max(len(ctx) // 2, 1)], costs, formats, stop_ids,
                                     reps=max(reps // 2, 2))

@@ -167,6 +167,8 @@ def ablation_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
         out.append(("without the cut head", spec.replace(options=_options(o, head_tokens=0))))
     if o.ngram:
         out.append(("without copy drafting", spec.replace(options=_options(o, ngram=0, copy_tokens=0))))
+    if o.tree:
+        out.append(("a chain (no draft tree)", spec.replace(options=_options(o, copy_candidates=1, branch_below=0.0))))
     if spec.adaptive:
         out.append(("fixed k (no adaptive exit)", spec.replace(adaptive=False, threshold=0.5)))
     return out
@@ -181,8 +183,10 @@ def cumulative_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
     steps = [("skip_only", plain),
              ("plus_low_precision", plain.replace(options=_options(plain.options, weights=o.weights,
                                                                     group_size=o.group_size))),
-             ("plus_cut_head", plain.replace(options=_options(o, ngram=0, copy_tokens=0))),
-             ("plus_copy", plain.replace(options=o))]
+             ("plus_cut_head", plain.replace(options=_options(o, ngram=0, copy_tokens=0, copy_candidates=1,
+                                                                branch_below=0.0))),
+             ("plus_copy", plain.replace(options=_options(o, copy_candidates=1, branch_below=0.0))),
+             ("plus_tree", plain.replace(options=o))]
     out, seen = [], {spec.key}
     for name, variant in steps:
         if variant.key not in seen:

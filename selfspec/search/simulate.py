@@ -38,6 +38,7 @@ from selfspec.draft.path import DraftPath
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import AdaptiveThreshold, DecodeConfig, forward_at
+from selfspec.engine.tree import DraftTree
 
 
 @dataclass
@@ -50,10 +51,13 @@ class RoundCounts:
     copy_rounds: Counter = field(default_factory=Counter)  # tokens copied from the context -> rounds
     drafted: int = 0
     accepted: int = 0
+    # rounds that verified a branching draft tree: (tokens drafted by the model, tree nodes) -> rounds
+    # (copy trees draft 0 tokens with the model); a tree's verify covers its nodes + 1 tokens
+    tree_rounds: Counter = field(default_factory=Counter)
 
     @property
     def rounds(self) -> int:
-        return sum(self.model_rounds.values()) + sum(self.copy_rounds.values())
+        return sum(self.model_rounds.values()) + sum(self.copy_rounds.values()) + sum(self.tree_rounds.values())
 
     @property
     def acceptance(self) -> float:
@@ -69,18 +73,21 @@ class RoundCounts:
         self.plain_steps += other.plain_steps
         self.model_rounds.update(other.model_rounds)
         self.copy_rounds.update(other.copy_rounds)
+        self.tree_rounds.update(other.tree_rounds)
         self.drafted += other.drafted
         self.accepted += other.accepted
 
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "plain_steps": self.plain_steps, "drafted": self.drafted,
                 "accepted": self.accepted, "model_rounds": {str(k): v for k, v in sorted(self.model_rounds.items())},
-                "copy_rounds": {str(k): v for k, v in sorted(self.copy_rounds.items())}}
+                "copy_rounds": {str(k): v for k, v in sorted(self.copy_rounds.items())},
+                "tree_rounds": {f"{m},{n}": v for (m, n), v in sorted(self.tree_rounds.items())}}
 
     @classmethod
     def from_dict(cls, d: dict) -> RoundCounts:
+        trees = Counter({tuple(int(x) for x in k.split(",")): v for k, v in d.get("tree_rounds", {}).items()})
         return cls(d["tokens"], d["plain_steps"], Counter({int(k): v for k, v in d["model_rounds"].items()}),
-                   Counter({int(k): v for k, v in d["copy_rounds"].items()}), d["drafted"], d["accepted"])
+                   Counter({int(k): v for k, v in d["copy_rounds"].items()}), d["drafted"], d["accepted"], trees)
 
 
 class RoundSimulator:
@@ -130,6 +137,7 @@ class RoundSimulator:
         threshold = AdaptiveThreshold(DecodeConfig(k=spec.k, adaptive=spec.adaptive, threshold=spec.threshold))
         opts = spec.options
         ngram = NGramIndex(opts.ngram) if opts.ngram else None
+        tree = opts.tree  # the search simulates greedy decoding, where trees are verified
         if ngram is not None:
             ngram.extend(prompt)
         i = 0  # c[i] is pending: emitted, not yet in the cache
@@ -141,17 +149,26 @@ class RoundSimulator:
                 out.tokens += 1
                 i += 1
                 continue
-            proposal: list[int] = []
+            proposals: list[list[int]] = []
             if ngram is not None:
                 ngram.extend(c[len(ngram.tokens) - P : i + 1])
-                proposal = ngram.propose(min(opts.copy_tokens or k, room))
-            if proposal:
-                drafted = len(proposal)
-                accepted = _leading_agreements(proposal, c[i + 1 : i + 1 + drafted])
-                out.copy_rounds[drafted] += 1
+                proposals = ngram.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates if tree else 1)
+            if proposals:
+                t = DraftTree(c[i], opts.tree_nodes if tree else len(proposals[0]))
+                for rank, cont in enumerate(proposals, 1):
+                    t.add_path(cont, f"copy#{rank}")
+                drafted, accepted = t.max_depth, len(t.accept_greedy_along(c[i + 1 :]))
+                if t.is_chain:
+                    out.copy_rounds[drafted] += 1
+                else:
+                    out.tree_rounds[(0, t.drafted)] += 1
             else:
-                drafted, accepted = self._model_round(path, cache, saved, c, P, i, k, threshold)
-                out.model_rounds[drafted] += 1
+                drafted, accepted, nodes = self._model_round(path, cache, saved, c, P, i, k, threshold,
+                                                             opts.branch_below if tree else 0.0, opts.tree_nodes)
+                if nodes > drafted:
+                    out.tree_rounds[(drafted, nodes)] += 1
+                else:
+                    out.model_rounds[drafted] += 1
             threshold.update(drafted, accepted)
             out.drafted += drafted
             out.accepted += accepted
@@ -159,7 +176,10 @@ class RoundSimulator:
             i += accepted + 1
         return out
 
-    def _model_round(self, path, cache, saved, c, P, i, k, threshold) -> tuple[int, int]:
+    def _model_round(self, path, cache, saved, c, P, i, k, threshold, branch: float = 0.0,
+                     budget: int = 0) -> tuple[int, int, int]:
+        """Drafted, accepted and tree nodes of a model-drafted round (nodes > drafted where it branched:
+        the 2nd-best token beside each draft position whose top probability is under ``branch``)."""
         with path.drafting():
             logits = forward_at(self.model, cache, self._tensor(c[i : i + k]), P + i, keep=k)
         for layer, (keys, values) in zip(cache.layers, saved):  # the draft's own slots go; the full model's return
@@ -167,10 +187,17 @@ class RoundSimulator:
             layer.values[:, :, P + i : P + i + k] = values[:, :, P + i : P + i + k]
         pred = logits.argmax(-1).tolist()
         drafted = k
+        conf = None
+        if threshold.on or branch:
+            top = logits.float().softmax(-1).topk(2)
+            conf, second = top.values[:, 0].tolist(), top.indices[:, 1].tolist()
         if threshold.on:
-            conf = logits.float().softmax(-1).amax(-1).tolist()
             drafted = next((j + 1 for j in range(k) if threshold.stops_after(conf[j])), k)
-        return drafted, _leading_agreements(pred[:drafted], c[i + 1 : i + 1 + drafted])
+        accepted = _leading_agreements(pred[:drafted], c[i + 1 : i + 1 + drafted])
+        alternates = [j for j in range(drafted) if conf[j] < branch][: max(budget - drafted, 0)] if branch else []
+        if accepted < drafted and accepted in alternates and second[accepted] == c[i + 1 + accepted]:
+            accepted += 1  # the 2nd-best leaf beside the first wrong draft is the target's token
+        return drafted, accepted, drafted + len(alternates)
 
 
 def _leading_agreements(draft: list[int], target: list[int]) -> int:

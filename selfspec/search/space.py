@@ -5,7 +5,8 @@
   ``min_skipped..max_skipped`` is pruned unscored by the study);
 - the draft options and length policy (:class:`DraftDims`): precision of the kept
   weights, int4 group size, draft head size, k, the adaptive exit and its threshold,
-  copy drafting (n-gram size, longest copy).
+  copy drafting (n-gram size, longest copy), and draft trees (copy candidates, branching
+  threshold, node budget: :mod:`selfspec.engine.tree`).
 
 Each option dimension is a list of values; a list of one value fixes it (no Optuna
 parameter is made for it), e.g. ``weights: [model]`` for a pure layer-skip search as
@@ -14,7 +15,7 @@ the papers run it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import optuna
 
@@ -34,22 +35,28 @@ class DraftDims:
     threshold: tuple[float, ...] = (0.2, 0.4, 0.6)
     ngram: tuple[int, ...] = (0, 2, 3)
     copy_tokens: tuple[int, ...] = (0, 10)
+    copy_candidates: tuple[int, ...] = (1, 3)  # draft trees: distinct copy continuations verified at once
+    branch_below: tuple[float, ...] = (0.0, 0.3)  # draft trees: 2nd-best token where the draft is less sure
+    tree_nodes: tuple[int, ...] = (12,)  # draft trees: most nodes one verify covers
 
     def __post_init__(self) -> None:
-        for name in ("weights", "group_size", "head_tokens", "k", "adaptive", "threshold", "ngram", "copy_tokens"):
+        for name in ("weights", "group_size", "head_tokens", "k", "adaptive", "threshold", "ngram", "copy_tokens",
+                     "copy_candidates", "branch_below", "tree_nodes"):
             if not getattr(self, name):
                 raise SelfSpecError(f"search.space.{name} is empty: give at least one value")
         bad = [w for w in self.weights if w not in WEIGHTS]
         if bad:
             raise SelfSpecError(f"search.space.weights: unknown {bad}; choose from {', '.join(WEIGHTS)}")
-        for name in ("k",):
+        for name in ("k", "copy_candidates", "tree_nodes"):
             if min(getattr(self, name)) < 1:
                 raise SelfSpecError(f"search.space.{name} values must be >= 1")
 
     @property
     def longest_verify(self) -> int:
         """The most tokens a verify forward of any draft in the space covers."""
-        return max(max(self.k), max(self.copy_tokens) if max(self.ngram) else 0) + 1
+        trees = max(self.copy_candidates) > 1 and max(self.ngram) or max(self.branch_below) > 0
+        return max(max(self.k), max(self.copy_tokens) if max(self.ngram) else 0,
+                   max(self.tree_nodes) if trees else 0) + 1
 
     def formats(self) -> list[DraftOptions]:
         """One DraftOptions per weight format in the space (int4 once per group size)."""
@@ -103,15 +110,18 @@ class SearchSpace:
     def _option_dims(self) -> dict[str, tuple]:
         d = self.dims
         return {"weights": d.weights, "group_size": d.group_size, "head_tokens": d.head_tokens, "k": d.k,
-                "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens}
+                "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens,
+                "copy_candidates": d.copy_candidates, "branch_below": d.branch_below, "tree_nodes": d.tree_nodes}
 
     def params_of(self, spec: DraftSpec) -> dict:
         params = {**{f"attn_{i}": int(i in spec.plan.attn) for i in self.searchable},
                   **{f"mlp_{i}": int(i in spec.plan.mlp) for i in self.searchable}}
         o = spec.options
         values = {"weights": o.weights, "group_size": o.group_size, "head_tokens": o.head_tokens, "k": spec.k,
-                  "adaptive": spec.adaptive, "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens}
-        unused = {"group_size": o.weights != "int4", "threshold": not spec.adaptive, "copy_tokens": not o.ngram}
+                  "adaptive": spec.adaptive, "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
+                  "copy_candidates": o.copy_candidates, "branch_below": o.branch_below, "tree_nodes": o.tree_nodes}
+        unused = {"group_size": o.weights != "int4", "threshold": not spec.adaptive, "copy_tokens": not o.ngram,
+                  "copy_candidates": not o.ngram, "tree_nodes": not o.tree}
         for name, choices in self._option_dims().items():
             if unused.get(name):  # a value the draft does not use: any of the space's will do
                 values[name] = choices[0]
@@ -127,7 +137,11 @@ class SearchSpace:
         mlp = tuple(i for i in self.searchable if params.get(f"mlp_{i}"))
         v = {name: params.get(name, choices[0]) for name, choices in self._option_dims().items()}
         options = DraftOptions(weights=v["weights"], group_size=v["group_size"], head_tokens=v["head_tokens"],
-                               ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0)
+                               ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0,
+                               copy_candidates=v["copy_candidates"] if v["ngram"] else 1,
+                               branch_below=v["branch_below"])
+        if options.tree:  # a chain keeps the default budget: one draft, one spec
+            options = replace(options, tree_nodes=v["tree_nodes"])
         return DraftSpec(SkipPlan(self.num_layers, attn=attn, mlp=mlp, model=model), options, k=v["k"],
                          adaptive=v["adaptive"], threshold=v["threshold"] if v["adaptive"] else 0.5)
 
