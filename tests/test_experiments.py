@@ -396,3 +396,19 @@ def test_method_variants_run_side_by_side_with_their_own_options(tmp_path, tiny_
     for r in lines[1:]:
         outputs.setdefault(r["sample_id"], set()).add(r["output_sha256"])
     assert all(len(v) == 1 for v in outputs.values())  # fp32 greedy: the same text from all three
+
+
+def test_split_calibration_decodes_the_calibration_rows(tmp_path, tiny_plan):
+    ids = {}
+    for split in ("eval", "calibration"):
+        run = tmp_path / split
+        p = _evaluate("model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", f"split={split}",
+                      "n_samples=2", f"hydra.run.dir={run}", cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-3000:]
+        lines = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+        assert lines[0]["split"] == split
+        ids[split] = {r["sample_id"] for r in lines[1:]}
+    assert ids["eval"] and ids["calibration"] and not ids["eval"] & ids["calibration"]
+    p = _evaluate("model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", "split=train",
+                  f"hydra.run.dir={tmp_path / 'bad'}", cwd=ROOT)
+    assert p.returncode != 0 and "split must be eval or calibration" in p.stderr

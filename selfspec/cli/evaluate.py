@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from selfspec import SelfSpecError, SkipPlan
-from selfspec.assets.data import load_task_set
+from selfspec.assets.data import TaskSet, load_task_set
 from selfspec.assets.models import load_model
 from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, decode_config, draft_options, plain
 from selfspec.cli.jobs import job_failed, save_config, set_threads
@@ -41,6 +41,10 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
     check_new_keys("evaluate", list(HydraConfig.get().overrides.task))
     set_threads(cfg)
     tasks = load_task_set(dataset_config(cfg), cfg.model.cache_dir)
+    if cfg.split == "calibration":  # tuning a setting on the rows the search uses; never for reported numbers
+        tasks = TaskSet(tasks.name, (), tasks.calibration, tasks.max_new_tokens)
+    elif cfg.split != "eval":
+        raise SelfSpecError(f"split must be eval or calibration, got {cfg.split!r}")
     methods = list(cfg.methods)
     ours = [m for m in methods if split_variant(m)[0] == "self_speculative"]
     spec = None
@@ -64,7 +68,8 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
     built = [build_method(m, lm, dcfg, plan, chosen[m]) for m in methods]
     resolved = plain(cfg)
     header = {"provenance": provenance({"config": resolved, "model_source": lm.source}),
-              "model": lm.name, "dataset": tasks.name, "dtype": lm.info.get("dtype"), "seed": cfg.seed}
+              "model": lm.name, "dataset": tasks.name, "dtype": lm.info.get("dtype"), "seed": cfg.seed,
+              "split": cfg.split}
     settings = EvalSettings(out_path=out_dir / "samples.jsonl", baseline=cfg.baseline, n_samples=cfg.n_samples,
                             warmup_tokens=cfg.warmup_tokens)
     rows = evaluate(lm, tasks, built, settings, header,

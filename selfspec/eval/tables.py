@@ -30,8 +30,9 @@ from selfspec.eval.records import read_jsonl, summarize
 COLUMNS = ["model", "dataset", "variant", "method", "kernels", "samples", "attn_skipped", "mlp_skipped", "k",
            "acceptance_rate", "mean_accepted_length", "tokens_per_s", "speedup", "greedy_match", "task_quality",
            "rouge_l", "ttft_s", "tpot_s", "latency_p99_s", "extra_memory_mb"]
-COMPARED = ["autoregressive", "self_speculative", "hf_generate", "hf_prompt_lookup", "hf_assisted", "hf_early_exit",
-            "hf_generate_stock", "hf_prompt_lookup_stock", "hf_assisted_stock", "hf_early_exit_stock"]
+COMPARED = ["autoregressive", "self_speculative", "self_speculative-tree", "hf_generate", "hf_prompt_lookup",
+            "hf_prompt_lookup-n5", "hf_assisted", "hf_early_exit", "hf_generate_stock", "hf_prompt_lookup_stock",
+            "hf_assisted_stock", "hf_early_exit_stock"]
 HEADERS = {"model": "model", "dataset": "dataset", "variant": "run", "method": "method", "kernels": "kernels",
            "samples": "n",
            "attn_skipped": "attn skip", "mlp_skipped": "MLP skip", "k": "k", "acceptance_rate": "accept",
