@@ -16,6 +16,10 @@ loop runs it:
   the first token drafted with probability under the threshold, which moves by
   the loop's own rule (:class:`~selfspec.engine.decoding.AdaptiveThreshold`).
   The chunk's slots are then restored from the saved full-model values.
+- draft trees (:mod:`selfspec.engine.tree`): a copy tree is the trie of the distinct
+  continuations, accepted along ``c``; a model draft that branches adds the 2nd-best token
+  beside each unsure position, and it is accepted where it is the token the draft got wrong.
+  A tree round costs the verify of its nodes (:class:`RoundCounts` ``tree_rounds``).
 
 The counts of rounds by drafted length (:class:`RoundCounts`) times the cost
 model's seconds give the predicted time (:mod:`selfspec.search.costs`).
