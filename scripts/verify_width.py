@@ -49,12 +49,12 @@ def main() -> None:
             for t in range(2, m):
                 tree.add_path([t], "b", parent=1)
             trees[m] = tree_attention_mask(lm.model, tree, len(prompt), "cpu"), torch.tensor(tree.depth)
-    configs = [(m, None) for m in args.widths] + [(m, "tree") for m in trees]
-    times: dict[str, list[float]] = {f"{m}{'/tree' if kind else ''}": [] for m, kind in configs}
+    configs = [(str(m), m, None) for m in args.widths] + [(f"{m}/tree", m, "tree") for m in trees]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     with torch.inference_mode(), packed_weights(lm.model):
         forward_at(lm.model, cache, ctx, 0, keep=1)
         for rep in range(args.reps + 1):
-            for m, kind in configs:
+            for name, m, kind in configs:
                 tokens = ctx[:m]
                 t0 = clock.now()
                 if kind:
@@ -65,7 +65,7 @@ def main() -> None:
                     forward_at(lm.model, cache, tokens, len(prompt), keep=m)
                 dt = clock.now() - t0
                 if rep:  # repetition 0 is the warm-up
-                    times[f"{m}{'/tree' if kind else ''}"].append(dt)
+                    times[name].append(dt)
     med = {name: statistics.median(v) for name, v in times.items()}
     one = med[str(min(args.widths))]
     res = {"model": args.model, "context_tokens": len(prompt), "reps": args.reps,

@@ -28,13 +28,15 @@ from selfspec.errors import SelfSpecError
 
 
 class _Window:
-    """The slots the next forward writes: ``start .. end-1``."""
+    """The slots the next forward writes, ``start .. end-1``, and the keys it attends over, ``0 .. keys-1``
+    (``end``, or the whole cache with fixed keys)."""
 
-    __slots__ = ("start", "end")
+    __slots__ = ("start", "end", "keys")
 
     def __init__(self) -> None:
         self.start = 0
         self.end = 0
+        self.keys = 0
 
 
 class _PositionalLayer(CacheLayerMixin):
@@ -42,10 +44,9 @@ class _PositionalLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = True
 
-    def __init__(self, window: _Window, max_len: int, sliding: bool, fixed_keys: bool = False) -> None:
+    def __init__(self, window: _Window, max_len: int, sliding: bool) -> None:
         super().__init__()
         self.window = window
-        self.fixed_keys = fixed_keys
         self.max_len = max_len
         self.is_sliding = sliding
 
@@ -70,12 +71,11 @@ class _PositionalLayer(CacheLayerMixin):
             )
         self.keys[:, :, start:end] = key_states
         self.values[:, :, start:end] = value_states
-        if self.fixed_keys:
-            return self.keys, self.values
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        keys = self.window.keys
+        return self.keys[:, :, :keys], self.values[:, :, :keys]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.max_len if self.fixed_keys else self.window.end), 0
+        return self.window.keys, 0
 
     def get_seq_length(self) -> int:
         return self.window.start
@@ -102,8 +102,7 @@ class PositionalKVCache(Cache):
         self.window = _Window()
         self._max_len = int(max_len)
         self.fixed_keys = fixed_keys
-        layers = [_PositionalLayer(self.window, self._max_len, t == "sliding_attention", fixed_keys)
-                  for t in layer_types[:n]]
+        layers = [_PositionalLayer(self.window, self._max_len, t == "sliding_attention") for t in layer_types[:n]]
         super().__init__(layers=layers)
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -124,6 +123,7 @@ class PositionalKVCache(Cache):
             )
         self.window.start = start
         self.window.end = end
+        self.window.keys = self._max_len if self.fixed_keys else end
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Copy the keys/values of slots ``src`` to slots ``dst`` in every layer (a tree's accepted path).
@@ -147,7 +147,7 @@ class PositionalKVCache(Cache):
         return self.window.start
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return (self._max_len if self.fixed_keys else self.window.end), 0
+        return self.window.keys, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self._max_len

@@ -91,14 +91,9 @@ class DraftTree:
             node = nxt
 
     def accept_greedy_along(self, target: list[int]) -> list[int]:
-        """The accepted nodes when the target's greedy continuation is ``target`` (the search's simulator)."""
-        node, path = 0, []
-        for t in target:
-            node = self.children[node].get(t)
-            if node is None:
-                break
-            path.append(node)
-        return path
+        """The accepted nodes when the target's greedy continuation is ``target`` (the search's simulator):
+        :meth:`accept_greedy` with the target's token at each node's depth."""
+        return self.accept_greedy([target[d] if d < len(target) else -1 for d in self.depth])[0]
 
     def winner(self, path: list[int]) -> str:
         """Which candidate the accepted path came from (the source of its deepest node)."""
