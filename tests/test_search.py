@@ -338,7 +338,8 @@ def test_storage_urls_and_bad_ones(tmp_path):
 
 def test_ctrl_c_during_the_search_is_one_clean_message(tmp_path):
     db = tmp_path / "optuna" / "study.db"
-    proc = _cli(tmp_path, "logger=none", "search.n_trials=400")
+    # So many trials that the search cannot end on its own before the signal.
+    proc = _cli(tmp_path, "logger=none", "search.n_trials=100000")
     deadline, done = time.time() + 120, 0
     while time.time() < deadline and done < 3:
         time.sleep(0.3)
@@ -347,6 +348,7 @@ def test_ctrl_c_during_the_search_is_one_clean_message(tmp_path):
                 done = con.execute("select count(*) from trials where state='COMPLETE'").fetchone()[0]
         except sqlite3.OperationalError:
             pass
+    assert proc.poll() is None, "the search ended before it could be interrupted"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted: finished trials are saved" in err
