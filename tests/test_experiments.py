@@ -398,6 +398,35 @@ def test_method_variants_run_side_by_side_with_their_own_options(tmp_path, tiny_
     assert all(len(v) == 1 for v in outputs.values())  # fp32 greedy: the same text from all three
 
 
+def test_a_variant_may_name_its_own_draft_file(tmp_path, tiny_plan):
+    from selfspec.draft.path import DraftOptions
+    from selfspec.draft.spec import DraftSpec
+
+    other = tmp_path / "other.json"
+    DraftSpec(SkipPlan(4, mlp=(1, 2), model="tiny-llama"), DraftOptions(ngram=2), k=3).save(other)
+    run = tmp_path / "run"
+    p = _evaluate("model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", "n_samples=2",
+                  "methods=[autoregressive,self_speculative,self_speculative-other,self_speculative-none]",
+                  f"+method_options.self_speculative-other.draft={other}",
+                  "+method_options.self_speculative-none.draft=empty", f"hydra.run.dir={run}", cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    fp = lines[0]["fingerprint"]
+    assert fp["plans"]["self_speculative"] == {"num_layers": 4, "attn": [1], "mlp": [2]}
+    assert fp["plans"]["self_speculative-other"] == {"num_layers": 4, "attn": [], "mlp": [1, 2]}
+    assert fp["plans"]["self_speculative-none"] == {"num_layers": 4, "attn": [], "mlp": []}
+    assert fp["decode"]["self_speculative"]["k"] == 2 and fp["decode"]["self_speculative-other"]["k"] == 3
+    assert fp["method_info"]["self_speculative-other"]["ngram"] == 2
+    outputs = {}
+    for r in lines[1:]:
+        outputs.setdefault(r["sample_id"], set()).add(r["output_sha256"])
+    assert len(outputs) == 2 and all(len(v) == 1 for v in outputs.values())  # fp32 greedy: one text from all four
+    p = _evaluate("model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none",
+                  "methods=[self_speculative-x]", f"+method_options.self_speculative-x.draft={tmp_path / 'no.json'}",
+                  f"hydra.run.dir={tmp_path / 'bad'}", cwd=ROOT)
+    assert p.returncode != 0 and "no draft file at" in p.stderr and "method_options.self_speculative-x.draft" in p.stderr
+
+
 def test_split_calibration_decodes_the_calibration_rows(tmp_path, tiny_plan):
     ids = {}
     for split in ("eval", "calibration"):

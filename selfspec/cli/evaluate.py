@@ -47,25 +47,26 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
         raise SelfSpecError(f"split must be eval or calibration, got {cfg.split!r}")
     methods = list(cfg.methods)
     ours = [m for m in methods if split_variant(m)[0] == "self_speculative"]
-    spec = None
     lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)
-    if ours and cfg.plan == "empty":  # draft = every sublayer, cheaper weights/head
-        spec = DraftSpec(SkipPlan(lm.num_layers, model=lm.name))
-    elif ours:
-        plan_path = Path(cfg.plan)
-        if not plan_path.is_file():
-            raise SelfSpecError(f"no draft file at {plan_path}: run `python -m selfspec.search model={cfg.model.name}` "
-                                "first, or set plan=<file> (or plan=empty)")
-        spec = DraftSpec.load(plan_path)
-    plan = spec.plan if spec is not None else None
-    dcfg = decode_config(cfg, tasks.max_new_tokens, spec)
     options = plain(cfg.method_options)
-    chosen = {m: method_options(m, options) for m in methods}
+    chosen = {m: dict(method_options(m, options) or {}) for m in methods}
+    own_drafts = {m: chosen[m].pop("draft") for m in ours if "draft" in chosen[m]}
+    uses_run_draft = any(m not in own_drafts for m in ours)
+    spec = _load_draft(cfg.plan, lm, cfg.model.name) if uses_run_draft else None
+    dcfg = decode_config(cfg, tasks.max_new_tokens, spec)
+    plans = {}
     for m in ours:
-        own = dict(chosen[m] or {})
+        own = chosen[m]
         decoding = own.pop("decoding", None)  # per-method decoding settings (build_method checks them)
-        chosen[m] = {**draft_options(spec, own, f"method_options.{m}"), **({"decoding": decoding} if decoding else {})}
-    built = [build_method(m, lm, dcfg, plan, chosen[m]) for m in methods]
+        if m in own_drafts:  # a variant with a draft file of its own: its plan, options and length policy
+            mine = _load_draft(own_drafts[m], lm, cfg.model.name, f"method_options.{m}.draft")
+            policy = decode_config(cfg, tasks.max_new_tokens, mine)
+            decoding = {**{key: getattr(policy, key) for key in ("k", "adaptive", "threshold")}, **(decoding or {})}
+        else:
+            mine = spec
+        plans[m] = mine.plan
+        chosen[m] = {**draft_options(mine, own, f"method_options.{m}"), **({"decoding": decoding} if decoding else {})}
+    built = [build_method(m, lm, dcfg, plans.get(m), chosen[m]) for m in methods]
     resolved = plain(cfg)
     header = {"provenance": provenance({"config": resolved, "model_source": lm.source}),
               "model": lm.name, "dataset": tasks.name, "dtype": lm.info.get("dtype"), "seed": cfg.seed,
@@ -80,6 +81,17 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
     logger.table("samples", rows, TABLE_COLUMNS)
     logger.summary({f"{m}/{k}": v for m, s in summary.items() for k, v in s.items() if not isinstance(v, list)})
     return summary
+
+
+def _load_draft(where: str, lm, model_name: str, key: str = "plan") -> DraftSpec:
+    """The draft file at ``where``, or ``empty``: every sublayer kept (a draft made cheaper by its options only)."""
+    if where == "empty":
+        return DraftSpec(SkipPlan(lm.num_layers, model=lm.name))
+    path = Path(where)
+    if not path.is_file():
+        raise SelfSpecError(f"no draft file at {path} ({key}): run `python -m selfspec.search model={model_name}` "
+                            f"first, or set {key}=<file> (or {key}=empty)")
+    return DraftSpec.load(path)
 
 
 def _accepted(cfg: DictConfig, out_dir: Path, logger: WandbLogger, spec: DraftSpec | None) -> None:
