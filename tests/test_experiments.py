@@ -441,3 +441,31 @@ def test_split_calibration_decodes_the_calibration_rows(tmp_path, tiny_plan):
     p = _evaluate("model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", "split=train",
                   f"hydra.run.dir={tmp_path / 'bad'}", cwd=ROOT)
     assert p.returncode != 0 and "split must be eval or calibration" in p.stderr
+
+
+def test_search_importance_names_the_parameter_that_drives_the_score(tmp_path):
+    import numpy as np
+    import optuna
+
+    from selfspec.eval.figures import dimension_of, param_importances, write_figures
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    noise = np.random.default_rng(0).normal(size=80)  # mlp_5 and threshold do not move the score
+
+    def score(t):
+        t.suggest_int("mlp_5", 0, 1), t.suggest_float("threshold", 0.0, 1.0)
+        return 3.0 * t.suggest_int("attn_3", 0, 1) + noise[t.number]
+
+    study.optimize(score, n_trials=80)
+    imp = param_importances(study.trials)
+    assert max(imp, key=imp.get) == "attn_3" and imp["attn_3"] > 0.5
+    assert (dimension_of("attn_3"), dimension_of("mlp_12"), dimension_of("k")) == ("attention skips", "MLP skips", "k")
+    studies = tmp_path / "optuna"
+    studies.mkdir()
+    optuna.copy_study(from_study_name=study.study_name, from_storage=study._storage,
+                      to_storage=f"sqlite:///{studies / 's.db'}", to_study_name="s")
+    written = write_figures({}, studies, tmp_path / "figures")
+    assert tmp_path / "figures" / "search_importance.png" in written
+    rows = (tmp_path / "figures" / "search_importance.csv").read_text().splitlines()
+    assert rows[0] == "study,parameter,dimension,importance" and rows[1].startswith("s,attn_3,attention skips,")

@@ -199,3 +199,23 @@ def test_transformers_methods_run_on_our_kernels_or_on_stock_ones_with_the_same_
         got = method.generate(ids)
         assert got.tokens == want.tokens and got.stats.new_tokens == want.stats.new_tokens  # counted as ours
         assert calls and set(calls) == {active}  # which kernels ran
+
+
+def test_transformers_methods_sample_with_the_runs_settings_and_seed():
+    from selfspec.assets.models import load_model
+    from selfspec.engine.sampling import SamplingParams
+
+    lm = load_model("tiny-llama", dtype="bfloat16")
+    ids = PROMPT + PROMPT
+    greedy = build_method("autoregressive", lm, DecodeConfig(max_new_tokens=24)).generate(ids).tokens
+    hot = DecodeConfig(max_new_tokens=24, sampling=SamplingParams(temperature=1.5, top_p=0.95), seed=3)
+    for name, options in (("hf_generate", None), ("hf_prompt_lookup", {"num_tokens": 4})):
+        method = build_method(name, lm, hot, options=options)
+        first, again = method.generate(ids), method.generate(ids)
+        assert first.tokens == again.tokens  # seeded on each call
+        assert first.stats.new_tokens == len(first.tokens) == 24
+        assert first.tokens != greedy  # it samples: 24 tokens from a flat tiny model are not the argmax ones
+        assert build_method(name, lm, replace(hot, seed=4), options=options).generate(ids).tokens != first.tokens
+        for only_top in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
+            top = build_method(name, lm, replace(hot, sampling=only_top), options=options).generate(ids)
+            assert top.tokens == greedy  # the filters reach generate(): keeping one token is greedy

@@ -1,9 +1,13 @@
 """Figures from raw results and Optuna studies (PNG): speedup and acceptance versus skipped
-sublayers, acceptance by draft position, search history. Every number comes from the rows."""
+sublayers, acceptance by draft position, search history, and which search dimensions and
+sublayers matter (Optuna's PED-ANOVA parameter importances, numbers beside the figure in
+``search_importance.csv``). Every number comes from the rows or the studies."""
 
 from __future__ import annotations
 
+import csv
 import math
+import re
 from pathlib import Path
 
 
@@ -20,6 +24,26 @@ def _study_trials(studies: Path) -> dict[str, list]:
             if trials:
                 out[name] = trials
     return out
+
+
+def param_importances(trials: list) -> dict[str, float]:
+    """Optuna's PED-ANOVA importances of the parameters every trial has (they sum to 1): how much of the
+    spread between the best trials and the rest each parameter explains."""
+    import optuna
+    from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
+
+    study = optuna.create_study(direction="maximize")
+    study.add_trials(trials)
+    return get_param_importances(study, evaluator=PedAnovaImportanceEvaluator())
+
+
+def dimension_of(param: str) -> str:
+    """``attn_12`` -> ``attention skips``; ``mlp_3`` -> ``MLP skips``; an option stays itself."""
+    if re.fullmatch(r"attn_\d+", param):
+        return "attention skips"
+    if re.fullmatch(r"mlp_\d+", param):
+        return "MLP skips"
+    return param
 
 
 LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
@@ -92,7 +116,38 @@ def write_figures(by_exp: dict[str, list[dict]], studies: Path | None, out_dir: 
         ax.legend(fontsize=6)
         fig.tight_layout()
         written.append(_save(fig, out_dir / "search_history.png"))
+
+    # which dimensions and which sublayers matter
+    importances = {name: param_importances(ts) for name, ts in trials.items() if len(ts) >= 10}
+    importances = {name: imp for name, imp in importances.items() if imp}
+    if importances:
+        written.append(_importance_csv(importances, out_dir / "search_importance.csv"))
+        fig, axes = plt.subplots(len(importances), 2, figsize=(11, 3.6 * len(importances)), squeeze=False)
+        for (ax1, ax2), (name, imp) in zip(axes, importances.items()):
+            dims: dict[str, float] = {}
+            for param, value in imp.items():
+                dims[dimension_of(param)] = dims.get(dimension_of(param), 0.0) + value
+            order = sorted(dims, key=dims.get)
+            ax1.barh(order, [dims[d] for d in order])
+            ax1.set(title=f"{name}: by dimension (sum of its parameters)", xlabel="PED-ANOVA importance")
+            top = sorted(imp, key=imp.get)[-15:]
+            ax2.barh(top, [imp[p] for p in top], color="C1")
+            ax2.set(title=f"{name}: the 15 most important parameters", xlabel="PED-ANOVA importance")
+            for ax in (ax1, ax2):
+                ax.tick_params(axis="y", labelsize=7)
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "search_importance.png"))
     return written
+
+
+def _importance_csv(importances: dict[str, dict[str, float]], path: Path) -> Path:
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["study", "parameter", "dimension", "importance"])
+        for name, imp in importances.items():
+            for param, value in imp.items():
+                w.writerow([name, param, dimension_of(param), f"{value:.4f}"])
+    return path
 
 
 def _save(fig, path: Path) -> Path:

@@ -1,6 +1,6 @@
 """What users would pick instead: transformers' own decoding, timed and counted as ours.
 
-- ``hf_generate``: ``model.generate`` greedy (plain autoregressive);
+- ``hf_generate``: ``model.generate`` (plain autoregressive);
 - ``hf_prompt_lookup``: prompt-lookup decoding (``prompt_lookup_num_tokens``);
 - ``hf_assisted``: assisted generation with a second, smaller model of the same
   tokenizer drafting (``assistant_model``);
@@ -10,7 +10,9 @@
 Each is timed with the same :class:`~selfspec.stats.Clock` as our methods; a
 streamer stamps the time each new token becomes available (time to first
 token, per-token latencies); new tokens are counted as ours are (EOS
-included, at most ``max_new_tokens``).
+included, at most ``max_new_tokens``). Greedy, or sampling with the run's temperature, top-k and top-p:
+transformers then verifies prompt lookup's guesses against a token it samples, and an assistant's
+(or early exit's) drafts by speculative sampling.
 
 Kernels: with ``packed=True`` the call runs inside :func:`~selfspec.draft.packed.packed_weights`
 for the model (and an assistant model), so its linears run on the same prepacked
@@ -27,7 +29,6 @@ from selfspec.assets.models import LoadedModel
 from selfspec.draft.packed import packed_weights
 from selfspec.engine.decoding import DecodeConfig, Generation
 from selfspec.engine.stats import Clock, DecodeStats
-from selfspec.errors import SelfSpecError
 
 
 class _Stamps:
@@ -49,7 +50,8 @@ class _Stamps:
 
 
 def hf_runner(lm: LoadedModel, name: str, gen_kwargs: dict, packed: bool = False, also_packed=()):
-    """A ``run(ids, cfg) -> Generation`` that calls ``lm.model.generate`` greedy with ``gen_kwargs``.
+    """A ``run(ids, cfg) -> Generation`` that calls ``lm.model.generate`` with ``gen_kwargs``: greedy, or
+    sampling with the run's temperature, top-k and top-p (seeded with ``cfg.seed`` on each call).
 
     ``packed``: on the prepacked weights of ``lm.model`` and of the models in ``also_packed``.
     """
@@ -61,8 +63,12 @@ def hf_runner(lm: LoadedModel, name: str, gen_kwargs: dict, packed: bool = False
     pad = eos[0] if pad is None else pad
 
     def run(ids: list[int], cfg: DecodeConfig) -> Generation:
-        if not cfg.sampling.greedy:
-            raise SelfSpecError(f"{name} is run greedy only in this harness")
+        sp = cfg.sampling
+        if sp.greedy:
+            sampling = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        else:  # transformers' samplers, on the filters ours has (top_k 0 and top_p 1 are off in both)
+            sampling = {"do_sample": True, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k}
+            torch.manual_seed(cfg.seed)  # generate() draws from torch's global generator
         stats = DecodeStats(method=name, prompt_tokens=len(ids))
         if cfg.max_new_tokens == 0:
             return Generation([], stats)
@@ -74,8 +80,7 @@ def hf_runner(lm: LoadedModel, name: str, gen_kwargs: dict, packed: bool = False
                 kernels.enter_context(packed_weights(m))
             out = model.generate(
                 input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
-                do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=eos,
-                pad_token_id=pad, streamer=stamps, **gen_kwargs,
+                eos_token_id=eos, pad_token_id=pad, streamer=stamps, **sampling, **gen_kwargs,
             )
         t1 = clock.now()
         new = out[0, len(ids):].tolist()[: cfg.max_new_tokens]
