@@ -82,6 +82,13 @@ def test_space_round_trip_and_fixed_dimensions():
     assert fixed.spec_of(params).options.weights == "model" and fixed.spec_of(params).k == 2
     with pytest.raises(SelfSpecError, match="outside the space"):
         fixed.params_of(DraftSpec(SkipPlan(6), k=5))
+    assert "copy_fallback" not in space.describe()["dims"]  # studies made before it existed still resume
+    wide = SearchSpace(6, dims=DraftDims(ngram=(0, 1, 3), copy_fallback=(0, 1)))
+    assert wide.describe()["dims"]["copy_fallback"] == [0, 1]
+    tree = DraftSpec(SkipPlan(6, attn=(2,)), DraftOptions(ngram=3, copy_fallback=1), k=2)
+    assert wide.spec_of(wide.params_of(tree)) == tree
+    short = wide.spec_of({**wide.params_of(tree), "ngram": 1})  # a 1-gram draft has no shorter match to fall back to
+    assert short.options.copy_fallback == 0 and not short.options.tree
 
 
 def test_a_study_on_another_machine_is_rescored_from_its_round_counts(tmp_path, simulator):

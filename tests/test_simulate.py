@@ -20,6 +20,8 @@ SPECS = {
                                                                        tree_nodes=10), k=2),
     "branch_tree": DraftSpec(SkipPlan(N_LAYERS, attn=(1,), mlp=(2,)), DraftOptions(branch_below=0.6, tree_nodes=5),
                              k=4),
+    "fallback_tree": DraftSpec(SkipPlan(N_LAYERS, attn=(1,)), DraftOptions(ngram=3, copy_fallback=1, copy_tokens=3,
+                                                                          copy_candidates=2, tree_nodes=20), k=3),
 }
 PROMPTS = [PROMPT, [5, 9, 11, 5, 9, 11, 5, 9, 11, 7], list(range(40, 60)),
            [5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 11, 12, 3, 4, 5, 6, 7, 13]]

@@ -21,6 +21,9 @@ TREES = {
     "copy": DraftOptions(ngram=1, copy_candidates=4, tree_nodes=12),
     "branch": DraftOptions(branch_below=0.9),
     "both_small_budget": DraftOptions(ngram=2, copy_candidates=3, branch_below=0.8, tree_nodes=6, copy_tokens=5),
+    "fallback": DraftOptions(ngram=3, copy_fallback=1, copy_candidates=2, tree_nodes=10),
+    "fallback_branch_small_budget": DraftOptions(ngram=2, copy_fallback=1, branch_below=0.8, tree_nodes=5,
+                                                 copy_tokens=4),
 }
 
 
@@ -184,3 +187,23 @@ def test_tree_options_are_recorded_only_when_on():
     assert a.key != b.key and "3 copy candidates" in b.describe()
     with pytest.raises(Exception, match="branch_below"):
         DraftOptions(branch_below=1.5)
+    assert "copy_fallback" not in DraftOptions(ngram=2, copy_candidates=3).record()
+    fb = DraftOptions(ngram=2, copy_fallback=1)
+    assert fb.tree and fb.record()["copy_fallback"] == 1 and "1-gram copies" in DraftSpec(SkipPlan(N), fb).describe()
+    assert DraftSpec(SkipPlan(N), fb).key != DraftSpec(SkipPlan(N), DraftOptions(ngram=2)).key
+    for bad in (DraftOptions, lambda **o: DraftOptions(ngram=1, **o), lambda **o: DraftOptions(ngram=2, **o)):
+        with pytest.raises(Exception, match="copy_fallback"):
+            bad(copy_fallback=2)
+
+
+def test_shorter_copies_join_the_model_draft_where_no_ngram_matched(make_model):
+    model = make_model("gemma3", torch.float64)  # this one's continuation repeats a 1-gram's earlier one
+    cfg = DecodeConfig(max_new_tokens=40, k=3, fallback=False)
+    want = autoregressive(model, TREE_PROMPT, cfg).tokens
+    plan = SkipPlan(N, attn=(1,))
+    # one copy candidate and no branching: every tree comes from a 1-gram copy beside the model draft
+    got = self_speculative(model, TREE_PROMPT, plan, cfg,
+                           draft=DraftPath(model, plan, DraftOptions(ngram=4, copy_fallback=1, tree_nodes=12)))
+    assert got.tokens == want
+    assert got.stats.tree_rounds > 0 and got.stats.copy_rounds < got.stats.rounds
+    assert any(w.startswith("copy1#") for w in got.stats.tree_wins), got.stats.tree_wins

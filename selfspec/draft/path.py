@@ -56,6 +56,9 @@ class DraftOptions:
     copy_candidates: int = 1  # distinct continuations of earlier n-gram matches, latest first; 1 = a chain
     branch_below: float = 0.0  # model drafts add the 2nd-best token where the top probability is below this
     tree_nodes: int = 12  # most drafted nodes a tree verifies at once (wider verifies cost more: PERF.md)
+    # a round with no n-gram match also verifies, beside the model draft, the continuations (up to
+    # copy_candidates) of earlier occurrences of the last m tokens, m < ngram (1 = prompt lookup's last resort)
+    copy_fallback: int = 0
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
@@ -66,6 +69,9 @@ class DraftOptions:
             raise SelfSpecError("copy_candidates and tree_nodes must be >= 1")
         if not 0.0 <= self.branch_below < 1.0:
             raise SelfSpecError(f"branch_below must be in [0, 1), got {self.branch_below}")
+        if self.copy_fallback and not 0 < self.copy_fallback < self.ngram:
+            raise SelfSpecError(f"copy_fallback must be between 1 and ngram-1 (ngram={self.ngram}), "
+                                f"got {self.copy_fallback}")
         if self.weights == "int4" and self.group_size not in (32, 64, 128, 256):
             raise SelfSpecError(f"int4 group_size must be 32, 64, 128 or 256, got {self.group_size}")
 
@@ -76,19 +82,21 @@ class DraftOptions:
     @property
     def tree(self) -> bool:
         """Whether rounds may verify a tree of candidates (greedy decoding) instead of a chain."""
-        return (self.ngram > 0 and self.copy_candidates > 1) or self.branch_below > 0
+        return (self.ngram > 0 and self.copy_candidates > 1) or self.branch_below > 0 or self.copy_fallback > 0
 
     def record(self) -> dict | None:
         """The options as a run records them (None for the plan-only draft).
 
-        ``copy_tokens`` and the tree options appear only when set, so runs recorded before they
-        existed still resume.
+        ``copy_tokens``, ``copy_fallback`` and the tree options appear only when set, so runs recorded
+        before they existed still resume.
         """
         if self.plain and not self.ngram and not self.tree:
             return None
         rec = asdict(self)
         if not self.copy_tokens:
             del rec["copy_tokens"]
+        if not self.copy_fallback:
+            del rec["copy_fallback"]
         if not self.tree:
             for name in ("copy_candidates", "branch_below", "tree_nodes"):
                 del rec[name]

@@ -48,7 +48,8 @@ class DraftSpec:
         return (self.plan.attn, self.plan.mlp, o.weights, o.group_size if o.weights == "int4" else 0,
                 o.head_tokens, o.ngram, o.copy_tokens if o.ngram else 0, self.k, self.adaptive,
                 round(self.threshold, 3) if self.adaptive else None,
-                (o.copy_candidates if o.ngram else 1, round(o.branch_below, 3), o.tree_nodes) if o.tree else None)
+                (o.copy_candidates if o.ngram else 1, round(o.branch_below, 3), o.tree_nodes, o.copy_fallback)
+                if o.tree else None)
 
     def describe(self) -> str:
         o = self.options
@@ -62,6 +63,7 @@ class DraftSpec:
         if o.tree:
             tree = [f"{o.copy_candidates} copy candidates"] if o.ngram and o.copy_candidates > 1 else []
             tree += [f"branch below {o.branch_below:.2f}"] if o.branch_below else []
+            tree += [f"{o.copy_fallback}-gram copies beside the model draft"] if o.copy_fallback else []
             parts.append(f"tree ({', '.join(tree)}, <= {o.tree_nodes} nodes)")
         parts.append(f"k={self.k}" + (f" adaptive {self.threshold:.2f}" if self.adaptive else ""))
         return ", ".join(parts)

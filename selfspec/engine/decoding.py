@@ -299,6 +299,8 @@ class Speculator:
         self.ngram = NGramIndex(path.options.ngram) if path.options.ngram else None
         self.threshold = AdaptiveThreshold(self.cfg)
         self.tree = path.options.tree and self.cfg.sampling.greedy
+        fallback = path.options.copy_fallback
+        self.fallback = NGramIndex(fallback) if fallback and self.tree else None  # shorter matches, in trees
         self.alternates: list[tuple[int, int]] = []  # (draft index, 2nd-best token) of the last model draft
         self.ema_tokens: float | None = None
         self.ema_verify: float | None = None
@@ -308,8 +310,9 @@ class Speculator:
     def start(self) -> None:
         self.path.prepare(self.run.prompt)
         self.run.start()
-        if self.ngram is not None:
-            self.ngram.extend(self.run.prompt.tolist())
+        for index in (self.ngram, self.fallback):
+            if index is not None:
+                index.extend(self.run.prompt.tolist())
 
     def copy_draft(self, k: int) -> tuple[list[int], list[torch.Tensor]]:
         """Up to ``k`` tokens copied from the context after a repeat of its last n tokens."""
@@ -368,7 +371,8 @@ class Speculator:
 
     def draft_tree(self, k: int, room: int) -> DraftTree:
         """The round's candidates as a tree: distinct copy continuations (latest match first) or,
-        without a match, the model's draft with its 2nd-best tokens at low-confidence positions."""
+        without a match, the model's draft with its 2nd-best tokens at low-confidence positions,
+        then the continuations of shorter (``copy_fallback``-token) matches."""
         run, opts = self.run, self.path.options
         tree = DraftTree(run.pending, opts.tree_nodes)
         found = []
@@ -385,6 +389,11 @@ class Speculator:
         for j, alt in self.alternates:
             if j <= len(nodes):
                 tree.add_path([alt], "model#2", parent=nodes[j - 1] if j else 0)
+        if self.fallback is not None:
+            self.fallback.extend(run.out[len(self.fallback.tokens) - run.prompt.numel():])
+            found = self.fallback.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates)
+            for rank, cont in enumerate(found, 1):
+                tree.add_path(cont, f"copy{self.fallback.n}#{rank}")
         return tree
 
     def verify_tree(self, tree: DraftTree) -> tuple[list[int], int]:

@@ -18,7 +18,9 @@ loop runs it:
   The chunk's slots are then restored from the saved full-model values.
 - draft trees (:mod:`selfspec.engine.tree`): a copy tree is the trie of the distinct
   continuations, accepted along ``c``; a model draft that branches adds the 2nd-best token
-  beside each unsure position, and it is accepted where it is the token the draft got wrong.
+  beside each unsure position, and it is accepted where it is the token the draft got wrong;
+  ``copy_fallback`` adds the continuations of shorter matches beside the model draft (the
+  trie is built as the engine builds it and accepted along ``c``).
   A tree round costs the verify of its nodes (:class:`RoundCounts` ``tree_rounds``).
 
 The counts of rounds by drafted length (:class:`RoundCounts`) times the cost
@@ -142,8 +144,10 @@ class RoundSimulator:
         opts = spec.options
         ngram = NGramIndex(opts.ngram) if opts.ngram else None
         tree = opts.tree  # the search simulates greedy decoding, where trees are verified
-        if ngram is not None:
-            ngram.extend(prompt)
+        fallback = NGramIndex(opts.copy_fallback) if tree and opts.copy_fallback else None
+        for index in (ngram, fallback):
+            if index is not None:
+                index.extend(prompt)
         i = 0  # c[i] is pending: emitted, not yet in the cache
         while i + 1 < L:
             room = L - (i + 1) - 1
@@ -167,12 +171,18 @@ class RoundSimulator:
                 else:
                     out.tree_rounds[(0, t.drafted)] += 1
             else:
-                drafted, accepted, nodes = self._model_round(path, cache, saved, c, P, i, k, threshold,
-                                                             opts.branch_below if tree else 0.0, opts.tree_nodes)
-                if nodes > drafted:
-                    out.tree_rounds[(drafted, nodes)] += 1
+                copies = []
+                if fallback is not None:
+                    fallback.extend(c[len(fallback.tokens) - P : i + 1])
+                    copies = fallback.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates)
+                modelled, accepted, nodes, depth = self._model_round(
+                    path, cache, saved, c, P, i, k, threshold, opts.branch_below if tree else 0.0, opts.tree_nodes,
+                    copies)
+                if nodes > modelled:
+                    out.tree_rounds[(modelled, nodes)] += 1
                 else:
-                    out.model_rounds[drafted] += 1
+                    out.model_rounds[modelled] += 1
+                drafted = depth
             threshold.update(drafted, accepted)
             out.drafted += drafted
             out.accepted += accepted
@@ -181,9 +191,14 @@ class RoundSimulator:
         return out
 
     def _model_round(self, path, cache, saved, c, P, i, k, threshold, branch: float = 0.0,
-                     budget: int = 0) -> tuple[int, int, int]:
-        """Drafted, accepted and tree nodes of a model-drafted round (nodes > drafted where it branched:
-        the 2nd-best token beside each draft position whose top probability is under ``branch``)."""
+                     budget: int = 0, copies: list[list[int]] = ()) -> tuple[int, int, int, int]:
+        """Drafted, accepted, tree nodes and depth of a model-drafted round (nodes > drafted where it
+        branched: the 2nd-best token beside each draft position whose top probability is under
+        ``branch``, then the ``copies`` of shorter matches, under the node budget as the engine adds them).
+
+        The draft's tokens are teacher-forced: exact up to its first miss, which is all acceptance needs.
+        Past the miss the real draft's branches and tokens may differ, so where the node budget binds the
+        node count of a tree with copies may differ from the real one's by a few."""
         with path.drafting():
             logits = forward_at(self.model, cache, self._tensor(c[i : i + k]), P + i, keep=k)
         for layer, (keys, values) in zip(cache.layers, saved):  # the draft's own slots go; the full model's return
@@ -199,9 +214,17 @@ class RoundSimulator:
             drafted = next((j + 1 for j in range(k) if threshold.stops_after(conf[j])), k)
         accepted = _leading_agreements(pred[:drafted], c[i + 1 : i + 1 + drafted])
         alternates = [j for j in range(drafted) if conf[j] < branch][: max(budget - drafted, 0)] if branch else []
-        if accepted < drafted and accepted in alternates and second[accepted] == c[i + 1 + accepted]:
-            accepted += 1  # the 2nd-best leaf beside the first wrong draft is the target's token
-        return drafted, accepted, drafted + len(alternates)
+        if not copies:
+            if accepted < drafted and accepted in alternates and second[accepted] == c[i + 1 + accepted]:
+                accepted += 1  # the 2nd-best leaf beside the first wrong draft is the target's token
+            return drafted, accepted, drafted + len(alternates), drafted
+        t = DraftTree(c[i], budget)
+        nodes = t.add_path(pred[:drafted], "model")
+        for j in alternates:
+            t.add_path([second[j]], "model#2", parent=nodes[j - 1] if j else 0)
+        for cont in copies:
+            t.add_path(cont, "copy")
+        return drafted, len(t.accept_greedy_along(c[i + 1 :])), t.drafted, t.max_depth
 
 
 def _leading_agreements(draft: list[int], target: list[int]) -> int:

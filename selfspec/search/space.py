@@ -38,10 +38,11 @@ class DraftDims:
     copy_candidates: tuple[int, ...] = (1, 3)  # draft trees: distinct copy continuations verified at once
     branch_below: tuple[float, ...] = (0.0, 0.3)  # draft trees: 2nd-best token where the draft is less sure
     tree_nodes: tuple[int, ...] = (12,)  # draft trees: most nodes one verify covers
+    copy_fallback: tuple[int, ...] = (0,)  # draft trees: m-gram copies beside a model draft (m < ngram; 0 = off)
 
     def __post_init__(self) -> None:
         for name in ("weights", "group_size", "head_tokens", "k", "adaptive", "threshold", "ngram", "copy_tokens",
-                     "copy_candidates", "branch_below", "tree_nodes"):
+                     "copy_candidates", "branch_below", "tree_nodes", "copy_fallback"):
             if not getattr(self, name):
                 raise SelfSpecError(f"search.space.{name} is empty: give at least one value")
         bad = [w for w in self.weights if w not in WEIGHTS]
@@ -54,7 +55,8 @@ class DraftDims:
     @property
     def longest_verify(self) -> int:
         """The most tokens a verify forward of any draft in the space covers."""
-        trees = max(self.copy_candidates) > 1 and max(self.ngram) or max(self.branch_below) > 0
+        trees = max(self.copy_candidates) > 1 and max(self.ngram) or max(self.branch_below) > 0 \
+            or max(self.copy_fallback) > 0
         return max(max(self.k), max(self.copy_tokens) if max(self.ngram) else 0,
                    max(self.tree_nodes) if trees else 0) + 1
 
@@ -104,14 +106,16 @@ class SearchSpace:
         """What the study pins: a resumed study refuses another space."""
         return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
                 "protect_first_last": self.protect_first_last,
-                "dims": {k: list(v) for k, v in asdict(self.dims).items()}}
+                # copy_fallback only when searched, so studies made before it existed still resume
+                "dims": {k: list(v) for k, v in asdict(self.dims).items() if k != "copy_fallback" or v != (0,)}}
 
     # -- params <-> drafts -------------------------------------------------------------
     def _option_dims(self) -> dict[str, tuple]:
         d = self.dims
         return {"weights": d.weights, "group_size": d.group_size, "head_tokens": d.head_tokens, "k": d.k,
                 "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens,
-                "copy_candidates": d.copy_candidates, "branch_below": d.branch_below, "tree_nodes": d.tree_nodes}
+                "copy_candidates": d.copy_candidates, "branch_below": d.branch_below, "tree_nodes": d.tree_nodes,
+                "copy_fallback": d.copy_fallback}
 
     def params_of(self, spec: DraftSpec) -> dict:
         params = {**{f"attn_{i}": int(i in spec.plan.attn) for i in self.searchable},
@@ -119,9 +123,10 @@ class SearchSpace:
         o = spec.options
         values = {"weights": o.weights, "group_size": o.group_size, "head_tokens": o.head_tokens, "k": spec.k,
                   "adaptive": spec.adaptive, "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
-                  "copy_candidates": o.copy_candidates, "branch_below": o.branch_below, "tree_nodes": o.tree_nodes}
+                  "copy_candidates": o.copy_candidates, "branch_below": o.branch_below, "tree_nodes": o.tree_nodes,
+                  "copy_fallback": o.copy_fallback}
         unused = {"group_size": o.weights != "int4", "threshold": not spec.adaptive, "copy_tokens": not o.ngram,
-                  "copy_candidates": not o.ngram, "tree_nodes": not o.tree}
+                  "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2}
         for name, choices in self._option_dims().items():
             if unused.get(name):  # a value the draft does not use: any of the space's will do
                 values[name] = choices[0]
@@ -139,7 +144,8 @@ class SearchSpace:
         options = DraftOptions(weights=v["weights"], group_size=v["group_size"], head_tokens=v["head_tokens"],
                                ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0,
                                copy_candidates=v["copy_candidates"] if v["ngram"] else 1,
-                               branch_below=v["branch_below"])
+                               branch_below=v["branch_below"],
+                               copy_fallback=v["copy_fallback"] if v["copy_fallback"] < v["ngram"] else 0)
         if options.tree:  # a chain keeps the default budget: one draft, one spec
             options = replace(options, tree_nodes=v["tree_nodes"])
         return DraftSpec(SkipPlan(self.num_layers, attn=attn, mlp=mlp, model=model), options, k=v["k"],
