@@ -14,7 +14,7 @@ import torch
 from selfspec import DecodeConfig, SamplingParams, SkipPlan, self_speculative
 from selfspec.assets.tiny import tiny_model
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.engine.sampling import probs_from_logits, verify_greedy, verify_sampling
+from selfspec.engine.sampling import probs_from_logits, sample, verify_greedy, verify_sampling
 
 ALPHA = 1e-6
 
@@ -86,6 +86,7 @@ def test_top_k_top_p_filters():
 @pytest.mark.parametrize("params,draft", [
     (SamplingParams(temperature=1.0), None),
     (SamplingParams(temperature=0.8, top_k=6), None),
+    (SamplingParams(temperature=0.9, top_p=0.8), None),
     # copied drafts (point-mass proposals) and a cut draft head (zero proposal mass off 4 ids)
     (SamplingParams(temperature=1.0), DraftOptions(head_tokens=4, ngram=1)),
 ])
@@ -124,3 +125,26 @@ def test_engine_samples_the_target_distribution(make_model, params, draft):
     assert 0 < accepted < drafted  # both the accept and the residual-resample paths ran
     assert chi2_pvalue(c2, p2) > ALPHA
     assert chi2_pvalue(c3, p3) > ALPHA
+
+
+def test_nucleus_from_a_partial_top_k_equals_the_one_from_a_full_sort():
+    torch.manual_seed(0)
+    for scale in (0.5, 3.0, 12.0):  # flat (the nucleus spills past the first candidates) to peaked
+        logits = torch.randn(3, 5000) * scale
+        for top_p in (0.3, 0.9, 0.999):
+            params = SamplingParams(temperature=0.7, top_p=top_p)
+            probs = (logits / 0.7).softmax(-1)
+            sorted_p, order = probs.sort(-1, descending=True)
+            drop = (sorted_p.cumsum(-1) - sorted_p >= top_p).scatter(-1, order, sorted_p.cumsum(-1) - sorted_p >= top_p)
+            want = probs.masked_fill(drop, 0.0)
+            want = want / want.sum(-1, keepdim=True)
+            torch.testing.assert_close(probs_from_logits(logits, params), want)
+
+
+def test_sample_draws_each_token_with_its_probability_and_never_a_zero_one():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    g = torch.Generator().manual_seed(0)
+    draws = sample(probs.expand(20000, -1), g)
+    counts = torch.bincount(draws, minlength=6).float()
+    assert chi2_pvalue(counts, probs) > ALPHA
+    assert int(sample(torch.tensor([0.0, 0.0, 1.0, 0.0]), g)) == 2 and sample(probs, g).shape == ()
