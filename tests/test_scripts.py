@@ -31,3 +31,12 @@ def test_ar_vs_hf_appends_one_row(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["autoregressive"]["tok_s"] > 0 and row["hf_generate"]["tok_s"] > 0
+
+
+def test_sampler_bench_appends_one_row(tmp_path):
+    out = tmp_path / "sampler.jsonl"
+    p = _script("sampler_bench.py", "--model", "tiny-llama", "--dataset", "tiny", "--reps", "2", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["same_sizes"] is True and row["max_kept_mass_gap"] < 1e-5 and row["rows_same_support"] >= row["rows"] - 4
+    assert row["ms_per_row"]["ours"] > 0 and row["ratio"] > 0
