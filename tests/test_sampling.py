@@ -15,6 +15,7 @@ from selfspec import DecodeConfig, SamplingParams, SkipPlan, self_speculative
 from selfspec.assets.tiny import tiny_model
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.sampling import probs_from_logits, sample, verify_greedy, verify_sampling
+from selfspec.engine.tree import DraftTree
 
 ALPHA = 1e-6
 
@@ -89,7 +90,13 @@ def test_top_k_top_p_filters():
     (SamplingParams(temperature=0.9, top_p=0.8), None),
     # copied drafts (point-mass proposals) and a cut draft head (zero proposal mass off 4 ids)
     (SamplingParams(temperature=1.0), DraftOptions(head_tokens=4, ngram=1)),
-])
+    # draft trees: the model's drawn path with its likeliest other token wherever q is unsure; several
+    # copies; shorter copies beside the drawn path (multi-candidate rejection sampling)
+    (SamplingParams(temperature=1.0), DraftOptions(branch_below=0.99, tree_nodes=6)),
+    (SamplingParams(temperature=0.9, top_p=0.9), DraftOptions(ngram=1, copy_candidates=3, tree_nodes=6)),
+    (SamplingParams(temperature=1.0), DraftOptions(ngram=2, copy_fallback=1, copy_candidates=3, branch_below=0.99,
+                                                   tree_nodes=8)),
+], ids=["plain", "top_k", "top_p", "copy_cut_head", "tree_branch", "tree_copies", "tree_fallback_branch"])
 def test_engine_samples_the_target_distribution(make_model, params, draft):
     """Tokens 2 and 3 of a request (made by draft/verify rounds) follow the model's own distribution."""
     vocab = 8
@@ -97,7 +104,7 @@ def test_engine_samples_the_target_distribution(make_model, params, draft):
         model = make_model("llama", torch.float64, vocab)
     else:
         model = tiny_model("llama", dtype=torch.float64, vocab_size=vocab)
-    prompt = [1, 5, 3, 6]
+    prompt = [1, 5, 1, 6, 3, 1]  # 1 repeats with different continuations: several copy candidates
     plan = SkipPlan(4, attn=(1,), mlp=(1, 2))
     # exact marginals of tokens 2 and 3 by enumerating the first two tokens
     with torch.inference_mode():
@@ -114,7 +121,7 @@ def test_engine_samples_the_target_distribution(make_model, params, draft):
     path = DraftPath(model, plan, draft) if draft is not None else None
     n = 1500
     c2, c3 = torch.zeros(vocab), torch.zeros(vocab)
-    drafted = accepted = 0
+    drafted = accepted = tree_rounds = 0
     for seed in range(n):
         cfg = DecodeConfig(max_new_tokens=3, k=2, sampling=params, seed=seed, fallback=False)
         g = self_speculative(model, prompt, plan, cfg, draft=path)
@@ -122,9 +129,53 @@ def test_engine_samples_the_target_distribution(make_model, params, draft):
         c3[g.tokens[2]] += 1
         drafted += g.stats.drafted
         accepted += g.stats.accepted
+        tree_rounds += g.stats.tree_rounds
     assert 0 < accepted < drafted  # both the accept and the residual-resample paths ran
+    if draft is not None and draft.tree:
+        assert tree_rounds > 0
     assert chi2_pvalue(c2, p2) > ALPHA
     assert chi2_pvalue(c3, p3) > ALPHA
+
+
+def test_tree_acceptance_keeps_the_target_distribution_along_every_path():
+    """A hand-built tree under the pending token: a drawn two-token path first, then chosen tokens
+    beside it at both levels. The first token must follow the root's p; the token after an
+    accepted first token must follow that node's p."""
+    g = torch.Generator().manual_seed(1)
+    vocab = 6
+    rows = torch.rand(1 + vocab, vocab, generator=g) ** 3  # sharp-ish, uneven distributions
+    rows[0, 5] = 0.0  # a token the target never emits at the root (the copy below proposes it)
+    rows = rows / rows.sum(-1, keepdim=True)
+    p_root, p_after = rows[0], rows[1:]  # p_after[a]: the target's p after token a
+    q0 = torch.tensor([0.05, 0.5, 0.05, 0.3, 0.05, 0.05])
+    q1 = torch.full((vocab,), 1.0 / vocab)
+    n = 20_000
+    first, second = torch.zeros(vocab), torch.zeros(vocab, vocab)
+    for _ in range(n):
+        x0, x1 = int(sample(q0, g)), int(sample(q1, g))
+        tree = DraftTree(root=0, budget=10)
+        drawn = tree.add_path([x0, x1], "model", proposals=[q0, q1])
+        tree.add_path([3, 2], "copy#1")  # chosen; shares x0's node when x0 == 3
+        tree.add_path([5], "copy#2")
+        tree.add_path([4], "model#2", parent=drawn[0])
+        # p at each node: the root's, or the one after the node's token (depth 1), any at depth 2
+        p = torch.stack([p_root] + [p_after[t] for t in tree.tokens[1:]])
+        path, nxt = tree.accept_sampling(p, g)
+        out = [tree.tokens[i] for i in path] + [nxt]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[0], out[1]] += 1
+    assert chi2_pvalue(first, p_root) > ALPHA
+    seen = 0
+    for a in range(vocab):
+        if second[a].sum() >= 300:
+            assert chi2_pvalue(second[a], p_after[a]) > ALPHA
+            seen += 1
+    assert seen >= 2
+    with pytest.raises(ValueError, match="tried first"):
+        t = DraftTree(root=0, budget=4)
+        t.add_path([1], "copy#1")
+        t.add_path([2], "model", proposals=[q0])
 
 
 def test_nucleus_from_a_partial_top_k_equals_the_one_from_a_full_sort():

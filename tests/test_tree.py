@@ -156,16 +156,21 @@ def test_eos_inside_a_branch(model):
         assert sp.stats.stop_reason == "eos"
 
 
-def test_sampling_drafts_chains_and_says_so(make_model):
+def test_sampling_verifies_trees_without_a_warning(make_model):
+    """Sampling runs verify trees too (their distribution: tests/test_sampling.py)."""
     model = make_model("llama")
-    cfg = DecodeConfig(max_new_tokens=20, k=3, fallback=False, sampling=SamplingParams(temperature=0.8))
-    with pytest.warns(UserWarning, match="greedy decoding only"):
-        sp = self_speculative(model, TREE_PROMPT, SkipPlan(N), cfg, draft=DraftPath(model, SkipPlan(N), TREES["copy"]))
-    assert sp.stats.tree_rounds == 0 and len(sp.tokens) == 20
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # greedy: no warning
-        self_speculative(model, TREE_PROMPT, SkipPlan(N), DecodeConfig(max_new_tokens=5),
-                         draft=DraftPath(model, SkipPlan(N), TREES["copy"]))
+    for name in ("copy", "fallback_branch_small_budget"):
+        tree_rounds = 0
+        for seed in range(4):  # a round is a tree only when it has several candidates
+            cfg = DecodeConfig(max_new_tokens=20, k=3, fallback=False, seed=seed,
+                               sampling=SamplingParams(temperature=0.8))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                sp = self_speculative(model, TREE_PROMPT, SkipPlan(N), cfg,
+                                      draft=DraftPath(model, SkipPlan(N), TREES[name]))
+            assert len(sp.tokens) == 20
+            tree_rounds += sp.stats.tree_rounds
+        assert tree_rounds > 0, name
 
 
 def test_ngram_index_proposes_distinct_candidates_latest_first():

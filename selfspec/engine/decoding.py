@@ -21,7 +21,6 @@ Invariants:
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -298,7 +297,7 @@ class Speculator:
         self.path = path
         self.ngram = NGramIndex(path.options.ngram) if path.options.ngram else None
         self.threshold = AdaptiveThreshold(self.cfg)
-        self.tree = path.options.tree and self.cfg.sampling.greedy
+        self.tree = path.options.tree
         fallback = path.options.copy_fallback
         self.fallback = NGramIndex(fallback) if fallback and self.tree else None  # shorter matches, in trees
         self.alternates: list[tuple[int, int]] = []  # (draft index, 2nd-best token) of the last model draft
@@ -321,14 +320,14 @@ class Speculator:
         run = self.run
         self.ngram.extend(run.out[len(self.ngram.tokens) - run.prompt.numel():])  # catch up with the context
         drafts = self.ngram.propose(k)
-        qs = []
-        if drafts and not self.cfg.sampling.greedy:  # the proposal distribution is a point mass
-            vocab = self.run.model.get_output_embeddings().weight.shape[0]
-            for t in drafts:
-                q = torch.zeros(vocab, device=self.run.device)
-                q[t] = 1.0
-                qs.append(q)
+        # the proposal distribution is a point mass
+        qs = [] if self.cfg.sampling.greedy else [self.point_mass(t) for t in drafts]
         return drafts, qs
+
+    def point_mass(self, token: int) -> torch.Tensor:
+        q = torch.zeros(self.run.model.get_output_embeddings().weight.shape[0], device=self.run.device)
+        q[token] = 1.0
+        return q
 
     def draft(self, k: int) -> tuple[list[int], list[torch.Tensor]]:
         """Up to ``k`` draft tokens from the drafting model, starting at the pending token."""
@@ -354,6 +353,9 @@ class Speculator:
                     x = int(sample(q, run.generator))
                     qs.append(q)
                     conf = float(q.max())
+                    if conf < branch:  # the likeliest token the draw did not pick, as a chosen candidate
+                        top = q.topk(2).indices.tolist()
+                        self.alternates.append((j, top[1] if top[0] == x else top[0]))
                 drafts.append(x)
                 if self.threshold.stops_after(conf):
                     break
@@ -384,8 +386,8 @@ class Speculator:
         if found:
             run.stats.copy_rounds += 1
             return tree
-        drafts, _ = self.draft(k)
-        nodes = tree.add_path(drafts, "model")
+        drafts, qs = self.draft(k)
+        nodes = tree.add_path(drafts, "model", proposals=qs)
         for j, alt in self.alternates:
             if j <= len(nodes):
                 tree.add_path([alt], "model#2", parent=nodes[j - 1] if j else 0)
@@ -398,16 +400,21 @@ class Speculator:
 
     def verify_tree(self, tree: DraftTree) -> tuple[list[int], int]:
         """One full-depth forward over every node; the accepted path's rows moved to the committed slots."""
-        run = self.run
+        run, greedy = self.run, self.cfg.sampling.greedy
         if tree.is_chain:
-            n, nxt = self.verify(tree.tokens[1:], [])
+            qs = [] if greedy else [q if q is not None else self.point_mass(t)
+                                    for t, q in zip(tree.tokens[1:], tree.proposal[1:])]
+            n, nxt = self.verify(tree.tokens[1:], qs)
             return list(range(1, n + 1)), nxt
         n = len(tree.tokens)
         depth = torch.tensor(tree.depth, dtype=torch.long, device=run.device)
         logits = forward_at(run.model, run.cache, run.token_tensor(tree.tokens), run.pos, keep=n,
                             position_ids=run.pos + depth,
                             attention_mask=tree_attention_mask(run.model, tree, run.pos, run.device))
-        path, nxt = tree.accept_greedy(logits.argmax(-1).tolist())
+        if greedy:
+            path, nxt = tree.accept_greedy(logits.argmax(-1).tolist())
+        else:
+            path, nxt = tree.accept_sampling(probs_from_logits(logits, self.cfg.sampling), run.generator)
         moved = [(run.pos + node, run.pos + d) for d, node in enumerate(path, 1) if node != d]
         run.cache.move_rows([m[0] for m in moved], [m[1] for m in moved])
         stats = run.stats
@@ -502,8 +509,6 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
         raise SelfSpecError(f"exact greedy needs rows >= the longest verify ({longest + 1} tokens with k={cfg.k}"
                             f"{f', copy_tokens={opts.copy_tokens}' if opts.ngram and opts.copy_tokens else ''}); "
                             f"got rows={cfg.rows}")
-    if opts.tree and not cfg.sampling.greedy:
-        warnings.warn("draft trees verify greedy decoding only; this sampling run drafts chains", stacklevel=2)
     run = Request(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
     spec = Speculator(run, draft)
     with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only):

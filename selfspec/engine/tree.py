@@ -16,6 +16,20 @@ else is dropped by the position rule, as for a chain.
 Greedy acceptance (:meth:`DraftTree.accept_greedy`) follows the target's argmax
 from the root while a child carries it: the accepted path is exactly the chain
 AR would have produced, plus the target's next token.
+
+Sampling acceptance (:meth:`DraftTree.accept_sampling`) is multi-candidate
+rejection sampling (SpecInfer's, with point-mass proposals for deterministic
+candidates): at each node the children are tried in insertion order against a
+residual distribution ``r`` that starts as the target's ``p`` there. A child
+drawn from the draft distribution ``q`` is accepted with probability
+``min(1, r(x)/q(x))``, else ``r <- norm(max(0, r - q))`` (the chain's rule); a
+deterministic child ``c`` (a copy, a 2nd-best token) is accepted with
+probability ``r(c)``, else ``r(c) <- 0`` and ``r`` is renormalized. Each step
+returns a token distributed as its input ``r`` (for the point mass, whatever
+``c`` is), so the token after every accepted prefix is distributed as the
+target's own. That needs the drawn child to be tried first at its node (its
+siblings may be chosen knowing it, never the other way): :meth:`add_path`
+keeps it so.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from selfspec.engine.masks import layer_masks
+from selfspec.engine.sampling import sample
 
 
 class DraftTree:
@@ -34,6 +49,7 @@ class DraftTree:
         self.depth = [0]
         self.source = [""]
         self.children: list[dict[int, int]] = [{}]
+        self.proposal: list[torch.Tensor | None] = [None]  # q a node's token was drawn from; None: chosen
         self.budget = budget
 
     @property
@@ -49,21 +65,30 @@ class DraftTree:
     def is_chain(self) -> bool:
         return all(len(c) <= 1 for c in self.children)
 
-    def add_path(self, tokens: list[int], source: str, parent: int = 0) -> list[int]:
-        """Insert ``tokens`` below ``parent``; returns the path's nodes (shorter where the budget ran out)."""
+    def add_path(self, tokens: list[int], source: str, parent: int = 0,
+                 proposals: list[torch.Tensor] | None = None) -> list[int]:
+        """Insert ``tokens`` below ``parent``; returns the path's nodes (shorter where the budget ran out).
+
+        ``proposals`` (sampling): the distribution each token was drawn from. A drawn token must be
+        its parent's first child (see the module's docstring); chosen tokens may go anywhere.
+        """
         node, path = parent, []
-        for t in tokens:
+        for i, t in enumerate(tokens):
             t = int(t)
             nxt = self.children[node].get(t)
+            q = proposals[i] if proposals else None
             if nxt is None:
                 if self.drafted >= self.budget:
                     break
+                if q is not None and self.children[node]:
+                    raise ValueError("a drawn token must be tried first at its node: insert drawn paths first")
                 nxt = len(self.tokens)
                 self.tokens.append(t)
                 self.parent.append(node)
                 self.depth.append(self.depth[node] + 1)
                 self.source.append(source)
                 self.children.append({})
+                self.proposal.append(q)
                 self.children[node][t] = nxt
             path.append(nxt)
             node = nxt
@@ -89,6 +114,36 @@ class DraftTree:
                 return path, argmax[node]
             path.append(nxt)
             node = nxt
+
+    def accept_sampling(self, p: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
+        """The accepted nodes (root excluded) and the next token, from the target's per-node
+        distributions ``p`` ``[N, V]``, by multi-candidate rejection sampling (module docstring)."""
+        node, path = 0, []
+        while True:
+            r, chosen = p[node], None
+            for child in self.children[node].values():  # insertion order: a drawn child first
+                x, q = self.tokens[child], self.proposal[child]
+                u = float(torch.rand((), generator=generator, device=r.device))
+                if q is None:  # a chosen token: a point-mass proposal
+                    if u < float(r[x]):
+                        chosen = child
+                        break
+                    r = r.clone()
+                    r[x] = 0.0
+                else:  # u < r(x)/q(x), without dividing by zero
+                    if u * float(q[x]) < float(r[x]):
+                        chosen = child
+                        break
+                    r = (r - q).clamp_min(0.0)
+                total = r.sum()
+                if total <= 0:  # a rejection with probability 0 that rounding made possible
+                    r = p[node]
+                    break
+                r = r / total
+            if chosen is None:
+                return path, int(sample(r, generator))
+            path.append(chosen)
+            node = chosen
 
     def accept_greedy_along(self, target: list[int]) -> list[int]:
         """The accepted nodes when the target's greedy continuation is ``target`` (the search's simulator):
