@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import os
 import sys
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +29,8 @@ def check_writable(folder: Path, what: str) -> None:
     """Create ``folder`` and write a probe file in it, or raise one :class:`SelfSpecError` naming ``what``."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".selfspec-write-probe"
+        # a probe of its own: two workers checking one folder at once must not delete each other's
+        probe = folder / f".selfspec-write-probe-{os.getpid()}-{uuid.uuid4().hex}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:

@@ -1,6 +1,7 @@
 """Bad input gives one clear SelfSpecError, not a traceback from deep inside torch."""
 
 import hashlib
+import multiprocessing
 import pathlib
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from selfspec.assets import fetch as assets
 from selfspec.assets.fetch import PackagedFile, fetch_packaged_file
 from selfspec.assets.models import encode_prompt, load_model
 from selfspec.errors import AssetError
-from selfspec.locks import waiting
+from selfspec.locks import check_writable, waiting
 from tests.conftest import PROMPT
 
 
@@ -174,3 +175,20 @@ def test_cli_prints_one_line_error():
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: unknown model 'no-such-model'")
     assert "Traceback" not in proc.stderr
+
+
+def test_check_writable_from_several_processes_at_once(tmp_path):
+    """Workers sharing a folder check it at the same moment: no one's probe removes another's."""
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        errors = pool.map(_check_many, [str(tmp_path / "shared")] * 4)
+    assert errors == [None] * 4
+    assert list((tmp_path / "shared").iterdir()) == []  # no probe left behind
+
+
+def _check_many(folder: str) -> str | None:
+    try:
+        for _ in range(300):
+            check_writable(pathlib.Path(folder), "probes")
+    except SelfSpecError as e:
+        return str(e)
+    return None

@@ -81,7 +81,7 @@ class DraftOptions:
 
     @property
     def tree(self) -> bool:
-        """Whether rounds may verify a tree of candidates (greedy decoding) instead of a chain."""
+        """Whether rounds may verify a tree of candidates instead of a chain."""
         return (self.ngram > 0 and self.copy_candidates > 1) or self.branch_below > 0 or self.copy_fallback > 0
 
     def record(self) -> dict | None:
