@@ -129,10 +129,10 @@ def write_figures(by_exp: dict[str, list[dict]], studies: Path | None, out_dir: 
                 dims[dimension_of(param)] = dims.get(dimension_of(param), 0.0) + value
             order = sorted(dims, key=dims.get)
             ax1.barh(order, [dims[d] for d in order])
-            ax1.set(title=f"{name}: by dimension (sum of its parameters)", xlabel="PED-ANOVA importance")
+            ax1.set(title=f"{name}\nby dimension (sum of its parameters)", xlabel="PED-ANOVA importance")
             top = sorted(imp, key=imp.get)[-15:]
             ax2.barh(top, [imp[p] for p in top], color="C1")
-            ax2.set(title=f"{name}: the 15 most important parameters", xlabel="PED-ANOVA importance")
+            ax2.set(title=f"{name}\nthe 15 most important parameters", xlabel="PED-ANOVA importance")
             for ax in (ax1, ax2):
                 ax.tick_params(axis="y", labelsize=7)
         fig.tight_layout()
