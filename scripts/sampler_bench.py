@@ -3,7 +3,8 @@
     python scripts/sampler_bench.py [--model qwen2.5-coder-0.5b] [--dataset humaneval] [--temperature 0.6] [--top-p 0.95]
 
 Takes the model's real logit rows (one forward over a calibration prompt, its last 32 positions),
-then times, round-robin so load changes hit both alike, the median per-row cost of
+then times, round-robin so load changes hit both alike, the median per-row cost (and the range
+of the repetitions' paired ratios) of
 (a) ``selfspec.engine.sampling``: top-p by a partial top-k, a draw by inverting the CDF, and
 (b) the reference it replaced: a full sort of the vocabulary for top-p and ``torch.multinomial``.
 Both keep the same tokens up to ties at the nucleus' edge (checked here row by row). Prints and appends one JSON line to --out.
@@ -73,8 +74,11 @@ def main() -> None:
                 if rep:  # the first round warms up
                     times[name].append((time.perf_counter() - t0) / len(rows))
     ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    # the spread: each repetition's paired ratio (both timed back to back in the same round)
+    paired = [ref / ours for ref, ours in zip(times["reference"], times["ours"])]
     rec = {"script": "sampler_bench", "model": args.model, "vocab": rows.shape[-1], "temperature": args.temperature,
            "top_p": args.top_p, "reps": args.reps, "ms_per_row": ms, "ratio": ms["reference"] / ms["ours"],
+           "ratio_min_max": [min(paired), max(paired)],
            "rows": len(rows), "rows_same_support": same_rows,
            "same_sizes": same_sizes, "max_kept_mass_gap": mass_gap, "threads": torch.get_num_threads(),
            "git_commit": git_commit(),

@@ -40,3 +40,4 @@ def test_sampler_bench_appends_one_row(tmp_path):
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["same_sizes"] is True and row["max_kept_mass_gap"] < 1e-5 and row["rows_same_support"] >= row["rows"] - 4
     assert row["ms_per_row"]["ours"] > 0 and row["ratio"] > 0
+    assert row["ratio_min_max"][0] <= row["ratio"] <= row["ratio_min_max"][1]
