@@ -4,7 +4,8 @@
         [--out results/tables/exact_match.md]
 
 Reads every ``samples.jsonl`` under the folder and, per task set, compares the outputs
-(``output_sha256``: every turn's text) of each pair of methods on the samples both decoded.
+(``output_sha256``: every turn's text) of each pair of methods on the samples both decoded
+(in a run of several passes, each pass's output against the same pass's).
 Without ``--pairs``: every method against every other. Writes a Markdown table to --out (if given).
 """
 
@@ -14,7 +15,7 @@ import argparse
 import itertools
 from pathlib import Path
 
-from selfspec.eval.records import read_jsonl
+from selfspec.eval.records import read_jsonl, row_key
 
 
 def match_table(root: Path, pairs: list[tuple[str, str]] | None) -> list[dict]:
@@ -23,10 +24,10 @@ def match_table(root: Path, pairs: list[tuple[str, str]] | None) -> list[dict]:
         header, samples = read_jsonl(path)
         if header is None:
             continue
-        outputs: dict[str, dict[str, str]] = {}
+        outputs: dict[str, dict[tuple[str, int], str]] = {}
         for r in samples:
             if r.get("type", "sample") == "sample" and "output_sha256" in r:
-                outputs.setdefault(r["method"], {})[r["sample_id"]] = r["output_sha256"]
+                outputs.setdefault(r["method"], {})[row_key(r)] = r["output_sha256"]
         wanted = pairs or list(itertools.combinations(sorted(outputs), 2))
         for a, b in wanted:
             common = sorted(set(outputs.get(a, {})) & set(outputs.get(b, {})))

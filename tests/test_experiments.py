@@ -22,6 +22,7 @@ from selfspec.eval.records import decode_record
 from selfspec.eval.tables import (
     load_runs,
     method_comparison,
+    to_markdown,
     write_method_comparison,
     write_tables,
 )
@@ -314,6 +315,27 @@ def test_table_builder_numbers(tmp_path, row_format):
     (merged,) = method_comparison({"exp": by_exp["exp"], "later": later}, ["exp", "later"])
     assert merged["self_speculative"] == 3.0
     assert merged["sources"] == {"autoregressive": "exp", "self_speculative": "later"}
+
+
+def test_tables_show_each_pass_and_the_drift_of_a_run_of_several_passes(tmp_path):
+    head = {"type": "header", "model": "m", "dataset": "d", "baseline": "autoregressive",
+            "fingerprint": {"methods": ["autoregressive", "self_speculative"],
+                            "decode": {"autoregressive": {"k": 3}, "self_speculative": {"k": 3}}}}
+    # AR slows from pass 0 to pass 1 (drift -20%); the draft's speedup is 2x in pass 0 and 2.5x in pass 1
+    rows = [dict(_row(s, "autoregressive", 10, 1.0), rep=0) for s in ("a", "b")]
+    rows += [dict(_row(s, "autoregressive", 8, 1.0), rep=1) for s in ("a", "b")]
+    rows += [dict(_row(s, "self_speculative", 20, 1.0), rep=r) for s in ("a", "b") for r in (0, 1)]
+    f = tmp_path / "runs" / "exp" / "m" / "d" / "samples.jsonl"
+    f.parent.mkdir(parents=True)
+    f.write_text("".join(json.dumps(r) + "\n" for r in [head] + rows))
+    ar, sp = write_tables(load_runs(tmp_path / "runs"), tmp_path / "tables")["exp"]
+    assert (ar["samples"], ar["reps"]) == (2, 2) and ar["drift"] == pytest.approx(0.8)
+    assert sp["pass_speedups"] == pytest.approx([2.0, 2.5]) and sp["drift"] == pytest.approx(1.0)
+    assert sp["speedup"] == pytest.approx(40 / 18)
+    md = (tmp_path / "tables" / "exp.md").read_text()
+    assert "| passes | speedup per pass | drift |" in md and "| 2 | 2.00-2.50x | +0% |" in md and "| -20% |" in md
+    # a table of single-pass runs keeps its old columns
+    assert "passes" not in to_markdown([dict(ar, reps=1, pass_speedups=None, drift=float("nan"))])
 
 
 def test_mix_takes_calibration_rows_of_each_part_and_never_their_eval_rows():

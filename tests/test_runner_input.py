@@ -25,10 +25,34 @@ def tasks():
     return load_task_set(yaml.safe_load((conf_dir() / "dataset" / "tiny.yaml").read_text()))
 
 
-def _run(lm, tasks, path, n, methods=("autoregressive",), max_new_tokens=6):
+def _run(lm, tasks, path, n, methods=("autoregressive",), max_new_tokens=6, reps=1):
     cfg = DecodeConfig(max_new_tokens=max_new_tokens)
-    built = [build_method(m, lm, cfg) for m in methods]
-    return evaluate(lm, tasks, built, EvalSettings(path, n_samples=n, warmup_tokens=2), {"model": lm.name})
+    plan = SkipPlan(lm.num_layers, attn=[1], model=lm.name)
+    built = [build_method(m, lm, cfg, plan if m == "self_speculative" else None) for m in methods]
+    return evaluate(lm, tasks, built, EvalSettings(path, n_samples=n, warmup_tokens=2, reps=reps), {"model": lm.name})
+
+
+def test_passes_interleave_and_a_run_extended_to_more_passes_resumes_with_the_missing_ones(lm, tasks, tmp_path):
+    path = tmp_path / "samples.jsonl"
+    methods = ("autoregressive", "self_speculative")
+    _run(lm, tasks, path, 2, methods=methods)
+    rows = _run(lm, tasks, path, 2, methods=methods, reps=3)
+    lines = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+    # pass 0 was there; passes 1 and 2 were appended in order, each over both samples and both methods
+    assert [(r["rep"], r["sample_id"]) for r in lines[::2]] == [(p, s) for p in range(3) for s in ("tiny/e0", "tiny/e1")]
+    assert len(rows) == len(lines) == 12
+    again = _run(lm, tasks, path, 2, methods=methods, reps=3)  # nothing left to do: nothing appended
+    assert json.dumps(again) == json.dumps(rows) and len(path.read_text().splitlines()) == 13
+    s = summarize(rows, "autoregressive")
+    assert s["autoregressive"]["samples"] == 2 and s["autoregressive"]["reps"] == 3
+    assert len(s["self_speculative"]["speedup_reps"]) == 3 and s["self_speculative"]["drift"] > 0
+    assert s["self_speculative"]["greedy_match"] == 1.0  # fp32 greedy: every pass equals AR's same pass
+
+
+@pytest.mark.parametrize("reps", [0, -2, True, 1.5])
+def test_reps_must_be_a_positive_integer(tmp_path, reps):
+    with pytest.raises(SelfSpecError, match="reps must be an integer >= 1"):
+        EvalSettings(tmp_path / "s.jsonl", reps=reps)
 
 
 def test_a_torn_last_line_is_dropped_before_resuming(lm, tasks, tmp_path):

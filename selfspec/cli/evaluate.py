@@ -33,7 +33,7 @@ from selfspec.eval.records import summarize
 from selfspec.eval.runner import EvalSettings, evaluate
 from selfspec.provenance import provenance
 
-TABLE_COLUMNS = ["sample_id", "method", "turns", "prompt_tokens", "new_tokens", "wall_time_s", "tokens_per_s",
+TABLE_COLUMNS = ["sample_id", "method", "rep", "turns", "prompt_tokens", "new_tokens", "wall_time_s", "tokens_per_s",
                  "ttft_s", "tpot_s", "rounds", "drafted", "accepted", "output_sha256"]
 
 
@@ -72,7 +72,7 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
               "model": lm.name, "dataset": tasks.name, "dtype": lm.info.get("dtype"), "seed": cfg.seed,
               "split": cfg.split}
     settings = EvalSettings(out_path=out_dir / "samples.jsonl", baseline=cfg.baseline, n_samples=cfg.n_samples,
-                            warmup_tokens=cfg.warmup_tokens)
+                            warmup_tokens=cfg.warmup_tokens, reps=cfg.reps)
     rows = evaluate(lm, tasks, built, settings, header,
                     on_sample=lambda new: logger.log({f"{r['method']}/tokens_per_s": r["tokens_per_s"] for r in new}),
                     on_accepted=lambda: _accepted(cfg, out_dir, logger, spec))
@@ -103,11 +103,15 @@ def _accepted(cfg: DictConfig, out_dir: Path, logger: WandbLogger, spec: DraftSp
 
 
 def print_summary(summary: dict, baseline: str) -> None:
-    print(f"{'method':<18}{'samples':>8}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc.len':>8}{'match':>7}")
+    print(f"{'method':<18}{'samples':>8}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc.len':>8}{'match':>7}"
+          f"{'passes':>7}{'drift':>7}")
     for m, s in summary.items():
+        drift = "-" if s["drift"] != s["drift"] else f"{(s['drift'] - 1) * 100:+.0f}%"
         print(f"{m:<18}{s['samples']:>8}{s['tokens_per_s']:>8.2f}{s['speedup']:>8.2f}x"
-              f"{s['acceptance_rate']:>8.2f}{s['mean_accepted_length']:>8.2f}{s['greedy_match']:>7.2f}")
-    print(f"(speedup over {baseline}; match = share of samples whose output equals {baseline}'s)")
+              f"{s['acceptance_rate']:>8.2f}{s['mean_accepted_length']:>8.2f}{s['greedy_match']:>7.2f}"
+              f"{s['reps']:>7}{drift:>7}")
+    print(f"(speedup over {baseline}; match = share of samples whose output equals {baseline}'s; "
+          "drift = a method's tokens/s in its last pass over its first)")
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="evaluate", version_base="1.3")

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+from selfspec.eval.records import row_key
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _FENCE = re.compile(r"```(?:python|py)?[^\n]*\n(.*?)(?:```|\Z)", re.S)
 
@@ -84,16 +86,16 @@ def quality(rows: list[dict], baseline_rows: list[dict]) -> dict:
     """Quality of one method's rows: ``{metric: mean}`` for the metrics their references allow.
 
     ``pass@1`` (HumanEval references), ``accuracy`` (GSM8K references) and
-    ``rouge_l_vs_baseline`` (every row whose sample the baseline also answered).
+    ``rouge_l_vs_baseline`` (every row whose sample the baseline also answered in the same pass).
     """
     out: dict[str, list[float]] = {}
-    base = {r["sample_id"]: _answer(r) for r in baseline_rows}
+    base = {row_key(r): _answer(r) for r in baseline_rows}
     for r in rows:
         ref = r.get("reference") or {}
         if "entry_point" in ref:
             out.setdefault("pass@1", []).append(float(humaneval_passes(_answer(r), ref)))
         elif "answer" in ref:
             out.setdefault("accuracy", []).append(float(gsm8k_correct(_answer(r), ref)))
-        if r["sample_id"] in base:
-            out.setdefault("rouge_l_vs_baseline", []).append(rouge_l(_answer(r), base[r["sample_id"]]))
+        if row_key(r) in base:
+            out.setdefault("rouge_l_vs_baseline", []).append(rouge_l(_answer(r), base[row_key(r)]))
     return {k: sum(v) / len(v) for k, v in out.items()}

@@ -2,7 +2,7 @@
 
 A ``samples.jsonl`` starts with a header row (``"type": "header"``: provenance,
 the resolved config, the methods and a fingerprint of what makes rows
-comparable); every following row is one (sample, method) pair carrying the raw
+comparable); every following row is one (sample, method, pass) triple carrying the raw
 :class:`~selfspec.engine.stats.DecodeStats` counters of its generation
 (``counters``). Summaries merge those counters and take every rate from
 :meth:`DecodeStats.summary`, the one place rates are derived.
@@ -27,13 +27,15 @@ def output_hash(tokens: list[int]) -> str:
     return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
 
 
-def sample_row(sample: Sample, method: str, gen: Generation, texts: list[str]) -> dict:
-    """One results row: the sample, the raw counters of its generation, readable rates, the output."""
+def sample_row(sample: Sample, method: str, gen: Generation, texts: list[str], rep: int = 0) -> dict:
+    """One results row: the sample, its pass (``rep``), the raw counters of its generation, readable
+    rates, the output."""
     s = gen.stats.summary()
     return {
         "type": "sample",
         "sample_id": sample.id,
         "method": method,
+        "rep": rep,
         "turns": len(sample.turns),
         "counters": gen.stats.counters(),
         # derived by DecodeStats.summary(), for reading the file; summaries are re-derived from the counters
@@ -118,29 +120,78 @@ def decode_record(cfg: DecodeConfig) -> dict:
     return rec
 
 
+def row_key(row: dict) -> tuple[str, int]:
+    """What pairs rows of two methods: the sample and the pass (rows written before passes existed: 0)."""
+    return row["sample_id"], row.get("rep", 0)
+
+
 def summarize(rows: list[dict], baseline: str) -> dict[str, dict]:
     """Per method: the rows' counters merged, every rate from :meth:`DecodeStats.summary`, and
-    the share of samples whose output equals the baseline's; speedup = tokens/s over the baseline's."""
+    the share of (sample, pass) pairs whose output equals the baseline's; speedup = tokens/s over
+    the baseline's.
+
+    With several passes (``rep``): ``speedup_reps`` holds each pass's speedup (on the samples
+    both methods decoded in it) and ``drift`` the method's own tokens/s in its last pass over
+    its first, on the samples both passes hold (1.0 = no drift; NaN with one pass).
+    """
     by: dict[str, list[dict]] = {}
     for r in rows:
         by.setdefault(r["method"], []).append(r)
-    base_hash = {r["sample_id"]: r["output_sha256"] for r in by.get(baseline, [])}
+    base_hash = {row_key(r): r["output_sha256"] for r in by.get(baseline, [])}
     out = {}
     for name, rs in by.items():
         s = DecodeStats.merged([stats_of_row(r) for r in rs]).summary()
-        matched = [r["output_sha256"] == base_hash[r["sample_id"]] for r in rs if r["sample_id"] in base_hash]
+        matched = [r["output_sha256"] == base_hash[row_key(r)] for r in rs if row_key(r) in base_hash]
         out[name] = {
-            "samples": len(rs),
+            "samples": len({r["sample_id"] for r in rs}),
+            "reps": len({r.get("rep", 0) for r in rs}),
             **{key: s[key] for key in SUMMARY_KEYS},
             "wall_time_s": s["total_time_s"],
             "peak_rss_bytes": max(r.get("peak_rss_bytes", 0) for r in rs),
             "greedy_match": sum(matched) / len(matched) if matched else float("nan"),
+            "drift": _drift(rs),
         }
     base = out.get(baseline)
     for name, s in out.items():
         s["speedup"] = s["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         lo, hi = paired_bootstrap(by[name], by.get(baseline, []))
         s["speedup_ci95"] = [lo, hi]
+        s["speedup_reps"] = _pass_speedups(by[name], by.get(baseline, []))
+    return out
+
+
+def _tokens_per_s(rows: list[dict]) -> float:
+    st = DecodeStats.merged([stats_of_row(r) for r in rows])
+    return st.new_tokens / st.total_time if st.total_time > 0 else float("nan")
+
+
+def _by_pass(rows: list[dict]) -> dict[int, dict[str, dict]]:
+    out: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        out.setdefault(r.get("rep", 0), {})[r["sample_id"]] = r
+    return out
+
+
+def _drift(rows: list[dict]) -> float:
+    """Tokens/s of the last pass over the first, on the samples both hold (NaN with one pass)."""
+    passes = _by_pass(rows)
+    if len(passes) < 2:
+        return float("nan")
+    first, last = passes[min(passes)], passes[max(passes)]
+    common = sorted(set(first) & set(last))
+    if not common:
+        return float("nan")
+    return _tokens_per_s([last[i] for i in common]) / _tokens_per_s([first[i] for i in common])
+
+
+def _pass_speedups(rows: list[dict], base_rows: list[dict]) -> list[float]:
+    """Each pass's speedup of ``rows`` over ``base_rows``, on the samples both decoded in that pass."""
+    mine, theirs = _by_pass(rows), _by_pass(base_rows)
+    out = []
+    for rep in sorted(set(mine) & set(theirs)):
+        common = sorted(set(mine[rep]) & set(theirs[rep]))
+        if common:
+            out.append(_tokens_per_s([mine[rep][i] for i in common]) / _tokens_per_s([theirs[rep][i] for i in common]))
     return out
 
 
@@ -148,21 +199,25 @@ def paired_bootstrap(rows: list[dict], base_rows: list[dict], n: int = 2000, see
     """95% interval of the speedup of ``rows`` over ``base_rows``, paired by sample (percentile bootstrap).
 
     Each resample draws the run's samples with replacement and takes total tokens over total
-    time of both methods on the same draw, as the speedup itself is taken. The interval
-    covers the prompts' spread; it does not cover drift between runs. NaN with fewer than
-    two paired samples.
+    time of both methods on the same draw, as the speedup itself is taken; a sample decoded in
+    several passes counts with all of them (its tokens and times summed). The interval covers
+    the prompts' spread; the passes' own spread is in ``speedup_reps``. NaN with fewer than two
+    paired samples.
     """
-    mine = {r["sample_id"]: r for r in rows}
-    theirs = {r["sample_id"]: r for r in base_rows}
+    def totals(rs: list[dict]) -> dict[str, list[float]]:
+        acc: dict[str, list[float]] = {}
+        for r in rs:
+            st = stats_of_row(r)
+            t = acc.setdefault(r["sample_id"], [0.0, 0.0])
+            t[0] += st.new_tokens
+            t[1] += st.total_time
+        return acc
+
+    mine, theirs = totals(rows), totals(base_rows)
     ids = sorted(set(mine) & set(theirs))
     if len(ids) < 2:
         return float("nan"), float("nan")
-
-    def tokens_time(row: dict) -> list[float]:
-        st = stats_of_row(row)
-        return [st.new_tokens, st.total_time]
-
-    t = torch.tensor([tokens_time(mine[i]) + tokens_time(theirs[i]) for i in ids], dtype=torch.float64)
+    t = torch.tensor([mine[i] + theirs[i] for i in ids], dtype=torch.float64)
     g = torch.Generator().manual_seed(seed)
     draw = t[torch.randint(len(ids), (n, len(ids)), generator=g)].sum(dim=1)  # n x 4 totals
     ratio = (draw[:, 0] / draw[:, 1]) / (draw[:, 2] / draw[:, 3])

@@ -8,6 +8,12 @@ Resume: rerunning into an existing file checks the fingerprint, skips
 samples whose rows are all present and appends the rest. A sample's rows are
 written together once all its methods are done, so a kill loses at most the
 sample in progress.
+
+Repetitions (``reps``): the whole list of samples is decoded ``reps`` times,
+one pass after the other, the method order rotating on, so that a drifting
+machine hits every method alike and the first and the last pass of the
+baseline tell the run's own drift. Rows carry their pass as ``rep``; a run
+extended to more repetitions resumes with the passes it lacks.
 """
 
 from __future__ import annotations
@@ -38,8 +44,11 @@ class EvalSettings:
     baseline: str = "autoregressive"
     n_samples: int | None = None  # first n eval samples; None = all
     warmup_tokens: int = 16
+    reps: int = 1  # passes over the samples, interleaved (see the module's docstring)
 
     def __post_init__(self) -> None:
+        if isinstance(self.reps, bool) or not isinstance(self.reps, int) or self.reps < 1:
+            raise SelfSpecError(f"reps must be an integer >= 1, got {self.reps!r}")
         if self.n_samples is not None and (isinstance(self.n_samples, bool) or self.n_samples < 1):
             raise SelfSpecError(f"n_samples must be >= 1 (or null for all), got {self.n_samples!r}")
         if self.warmup_tokens < 0:
@@ -115,11 +124,12 @@ def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings
             f"{path} holds results of another setting (model, dataset, methods, decoding or plan differ); "
             "choose another output folder or delete the file to start over"
         )
-    done: dict[str, set[str]] = {}
+    done: dict[tuple[int, str], set[str]] = {}
     for r in rows:
-        done.setdefault(r["sample_id"], set()).add(r["method"])
+        done.setdefault((r.get("rep", 0), r["sample_id"]), set()).add(r["method"])
     skipped = skipped_samples(path)
-    todo = [s for s in samples if not set(names) <= done.get(s.id, set()) and s.id not in skipped]
+    todo = [(rep, s) for rep in range(settings.reps) for s in samples
+            if not set(names) <= done.get((rep, s.id), set()) and s.id not in skipped]
     path.parent.mkdir(parents=True, exist_ok=True)
     if on_accepted:
         on_accepted()
@@ -128,17 +138,20 @@ def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings
                 "extra_memory_bytes": {m.name: m.extra_memory_bytes for m in methods}, **header}
         path.write_text(json.dumps(head) + "\n", encoding="utf-8")
     elif todo:
-        print(f"resuming {path}: {len(samples) - len(todo)} of {len(samples)} samples already done", file=sys.stderr)
-    warm = _warm_up_prompt(lm, todo, methods[0].cfg.max_new_tokens)
+        total = len(samples) * settings.reps
+        print(f"resuming {path}: {total - len(todo)} of {total} (sample, pass) pairs already done", file=sys.stderr)
+    warm = _warm_up_prompt(lm, [s for _, s in todo], methods[0].cfg.max_new_tokens)
     if warm is not None:
         warm_up({m.name: m.generate for m in methods}, warm, min(settings.warmup_tokens, methods[0].cfg.max_new_tokens))
     bar = tqdm(todo, desc=f"{lm.name} / {tasks.name}", unit="sample", file=sys.stderr)
-    for i, sample in enumerate(bar):
+    for i, (rep, sample) in enumerate(bar):
+        if sample.id in skipped:  # found undecodable in an earlier pass of this run
+            continue
         new_rows = []
         try:
             for m in rotated(methods, i):
                 gen, texts = run_sample(m, lm, sample)
-                new_rows.append(sample_row(sample, m.name, gen, texts))
+                new_rows.append(sample_row(sample, m.name, gen, texts, rep=rep))
         except SelfSpecError as e:  # this sample cannot be decoded (too long for the model, an empty turn)
             print(f"[selfspec] sample {sample.id} skipped: {e}", file=sys.stderr)
             with open(path, "a", encoding="utf-8") as f:

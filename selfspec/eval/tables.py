@@ -29,7 +29,8 @@ from selfspec.eval.records import read_jsonl, summarize
 
 COLUMNS = ["model", "dataset", "variant", "method", "kernels", "samples", "attn_skipped", "mlp_skipped", "k",
            "acceptance_rate", "mean_accepted_length", "tokens_per_s", "speedup", "greedy_match", "task_quality",
-           "rouge_l", "ttft_s", "tpot_s", "latency_p99_s", "extra_memory_mb"]
+           "rouge_l", "ttft_s", "tpot_s", "latency_p99_s", "extra_memory_mb", "reps", "pass_speedups", "drift"]
+PASS_COLUMNS = ("reps", "pass_speedups", "drift")  # shown only in a table with a run of several passes
 COMPARED = ["autoregressive", "self_speculative", "self_speculative-tree", "hf_generate", "hf_prompt_lookup",
             "hf_prompt_lookup-n5", "hf_assisted", "hf_early_exit", "hf_generate_stock", "hf_prompt_lookup_stock",
             "hf_assisted_stock", "hf_early_exit_stock"]
@@ -39,7 +40,8 @@ HEADERS = {"model": "model", "dataset": "dataset", "variant": "run", "method": "
            "mean_accepted_length": "acc. len", "tokens_per_s": "tok/s", "speedup": "speedup",
            "greedy_match": "match AR", "task_quality": "quality", "rouge_l": "ROUGE-L vs AR",
            "ttft_s": "TTFT s", "tpot_s": "TPOT s", "latency_p99_s": "P99 s",
-           "extra_memory_mb": "extra MB"}
+           "extra_memory_mb": "extra MB", "reps": "passes", "pass_speedups": "speedup per pass",
+           "drift": "drift"}
 
 
 @dataclass
@@ -99,6 +101,9 @@ def table_rows(run: Run) -> list[dict]:
             "ttft_s": s["ttft_s"], "tpot_s": s["tpot_s"], "latency_p99_s": s["latency_p99_s"],
             "extra_memory_mb": run.header.get("extra_memory_bytes", {}).get(method, 0) / 2**20,
             "acceptance_by_position": s["acceptance_by_position"],
+            "reps": s["reps"],
+            "pass_speedups": s["speedup_reps"] if method != baseline and s["reps"] > 1 else None,
+            "drift": s["drift"],
         })
     return out
 
@@ -126,9 +131,19 @@ def _cell(r: dict, key: str) -> str:
     return _speedup(r) if key == "speedup" else _fmt(key, r[key])
 
 
+def columns_of(rows: list[dict]) -> list[str]:
+    """The table's columns: the pass columns only where some run decoded its samples more than once."""
+    several = any((r.get("reps") or 1) > 1 for r in rows)
+    return [c for c in COLUMNS if several or c not in PASS_COLUMNS]
+
+
 def _fmt(key: str, v) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
+    if key == "pass_speedups":  # each pass's speedup, lowest to highest
+        return f"{min(v):.2f}-{max(v):.2f}x" if v else "-"
+    if key == "drift":  # the method's tokens/s, last pass over first
+        return f"{(v - 1) * 100:+.0f}%"
     if key == "speedup":
         return f"{v:.2f}x"
     if key in ("acceptance_rate", "greedy_match", "mean_accepted_length", "tokens_per_s", "rouge_l"):
@@ -141,8 +156,9 @@ def _fmt(key: str, v) -> str:
 
 
 def to_markdown(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(HEADERS[c] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r, c) for c in COLUMNS) + " |" for r in rows]
+    cols = columns_of(rows)
+    lines = ["| " + " | ".join(HEADERS[c] for c in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(r, c) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -150,21 +166,25 @@ def to_latex(rows: list[dict]) -> str:
     def esc(s: str) -> str:
         return s.replace("\\", "\\textbackslash{}").replace("_", "\\_").replace("%", "\\%").replace("&", "\\&")
 
-    lines = ["\\begin{tabular}{" + "l" * 4 + "r" * (len(COLUMNS) - 4) + "}", "\\toprule",
-             " & ".join(esc(HEADERS[c]) for c in COLUMNS) + " \\\\", "\\midrule"]
-    lines += [" & ".join(esc(_cell(r, c)) for c in COLUMNS) + " \\\\" for r in rows]
+    cols = columns_of(rows)
+    lines = ["\\begin{tabular}{" + "l" * 4 + "r" * (len(cols) - 4) + "}", "\\toprule",
+             " & ".join(esc(HEADERS[c]) for c in cols) + " \\\\", "\\midrule"]
+    lines += [" & ".join(esc(_cell(r, c)) for c in cols) + " \\\\" for r in rows]
     lines += ["\\bottomrule", "\\end{tabular}"]
     return "\n".join(lines) + "\n"
 
 
 def to_csv(rows: list[dict]) -> str:
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=[*COLUMNS, "speedup_lo95", "speedup_hi95"], extrasaction="ignore",
+    cols = columns_of(rows)
+    w = csv.DictWriter(buf, fieldnames=[*cols, "speedup_lo95", "speedup_hi95"], extrasaction="ignore",
                        lineterminator="\n")
     w.writeheader()
     for r in rows:
         ci = r.get("speedup_ci95") or ["", ""]
-        w.writerow({**{c: ("" if r[c] is None else r[c]) for c in COLUMNS}, "speedup_lo95": ci[0], "speedup_hi95": ci[1]})
+        cells = {c: ("" if r[c] is None else " ".join(f"{x:.4f}" for x in r[c]) if c == "pass_speedups" else r[c])
+                 for c in cols}
+        w.writerow({**cells, "speedup_lo95": ci[0], "speedup_hi95": ci[1]})
     return buf.getvalue()
 
 
