@@ -171,3 +171,22 @@ def test_a_method_variant_may_pad_its_own_forwards(lm):
         build_method("autoregressive-x", lm, cfg, options={"decoding": {"max_new_tokens": 9}})
     with pytest.raises(SelfSpecError, match="applies to our own loop"):
         build_method("hf_generate-x", lm, cfg, options={"decoding": {"rows": 3}})
+
+
+def test_speedups_pair_each_repetition_with_the_baselines_same_repetition():
+    from selfspec.engine.stats import DecodeStats
+    from selfspec.eval.harness import paired_ratios, speedups
+
+    def rep(tokens_per_s: float, tpot: float) -> DecodeStats:
+        return DecodeStats(method="m", requests=1, new_tokens=11, total_time=11 / tokens_per_s, ttft=11 / tokens_per_s
+                           - 10 * tpot)
+
+    # the machine slows down 2x after the first repetition; the draft is 1.5x as fast as AR in each
+    per_rep = {"ar": [rep(10, 0.09), rep(5, 0.18), rep(5, 0.18)], "d": [rep(15, 0.06), rep(7.5, 0.12), rep(7.5, 0.12)]}
+    assert paired_ratios(per_rep, "d", "ar") == pytest.approx([1.5] * 3)
+    assert paired_ratios(per_rep, "d", "ar", "tpot_s") == pytest.approx([1.5] * 3)
+    assert speedups(per_rep, "ar") == pytest.approx({"ar": 1.0, "d": 1.5})
+    # the slowdown lands between AR and the draft inside the second repetition: paired ratios 1.5, 0.75, 1.5
+    # give 1.5; the ratio of unpaired medians (draft 7.5 over AR 10) would say 0.75
+    per_rep = {"ar": [rep(10, 0.09), rep(10, 0.09), rep(5, 0.18)], "d": [rep(15, 0.06), rep(7.5, 0.12), rep(7.5, 0.12)]}
+    assert speedups(per_rep, "ar")["d"] == pytest.approx(1.5)

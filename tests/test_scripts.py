@@ -41,3 +41,19 @@ def test_sampler_bench_appends_one_row(tmp_path):
     assert row["same_sizes"] is True and row["max_kept_mass_gap"] < 1e-5 and row["rows_same_support"] >= row["rows"] - 4
     assert row["ms_per_row"]["ours"] > 0 and row["ratio"] > 0
     assert row["ratio_min_max"][0] <= row["ratio"] <= row["ratio_min_max"][1]
+
+
+def test_sim_batch_bench_appends_one_row(tmp_path):
+    search = subprocess.run([sys.executable, "-m", "selfspec.search", "model=tiny-llama", "search=quick", "logger=none",
+                             f"search.storage={tmp_path}/study.db", f"plans_dir={tmp_path}/plans",
+                             f"hydra.run.dir={tmp_path}/hydra"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert search.returncode == 0, search.stderr[-2000:]
+    out = tmp_path / "sim.jsonl"
+    p = _script("sim_batch_bench.py", str(tmp_path / "study.db"), "tiny-llama-default", "--trials", "3",
+                "--batches", "1", "2", "--dtype", "float32", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["drafts"] == 3 and set(row["batches"]) == {"1", "2"}
+    # the tiny model runs in fp32: side by side, every draft's counts equal those of one prompt at a time
+    assert row["batches"]["2"]["drafts_whose_counts_differ_from_first"] == 0
+    assert row["batches"]["2"]["mean_s_per_draft"] > 0 and row["machine"]

@@ -6,7 +6,7 @@ import torch
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.spec import DraftSpec
-from selfspec.search.simulate import RoundSimulator, decode_config_of
+from selfspec.search.simulate import RoundCounts, RoundSimulator, decode_config_of
 from tests.conftest import PROMPT
 
 N_LAYERS = 4
@@ -51,6 +51,31 @@ def test_simulated_rounds_equal_a_real_greedy_run(make_model, arch, name):
     if not spec.adaptive:  # the adaptive exit's drafted length is exact only while the draft agrees
         assert counts.drafted == sum(g.stats.drafted for g in real)
     assert counts.rounds > 0 and 0 < counts.accepted
+
+
+@pytest.mark.parametrize("name", ["skip", "head", "adaptive", "branch_tree"])
+def test_prompts_side_by_side_count_as_one_by_one(make_model, name):
+    """One batched forward per round step over all prompts (rows leave as their prompts end, so later steps
+    run a non-contiguous subset) gives each prompt's counts exactly as simulating it alone."""
+    model = make_model("qwen2", torch.float64)
+    spec = SPECS[name]
+    conts = [autoregressive(model, p, DecodeConfig(max_new_tokens=n)).tokens for p, n in zip(PROMPTS, (30, 8, 20, 14))]
+    sim = RoundSimulator(model, PROMPTS, conts)
+    together = sim.simulate(spec)
+    alone = RoundCounts()
+    for i in range(len(PROMPTS)):
+        alone.add(RoundSimulator(model, PROMPTS[i : i + 1], conts[i : i + 1]).simulate(spec))
+    assert together == alone and together.rounds > 0
+    middle = sim.simulate(spec, prompts=range(1, 3))  # a batch of some prompts only
+    assert middle == sum_counts(RoundSimulator(model, PROMPTS[j : j + 1], conts[j : j + 1]).simulate(spec)
+                                for j in (1, 2))
+
+
+def sum_counts(parts) -> RoundCounts:
+    total = RoundCounts()
+    for p in parts:
+        total.add(p)
+    return total
 
 
 def test_counts_round_trip():

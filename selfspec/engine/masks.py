@@ -19,18 +19,24 @@ def layer_masks(model, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: 
     position ids as the model's own mask does (a key is seen while its position is above
     the query's minus the window); the model then gets one mask per layer type. Boolean
     ``[1, 1, queries, keys]`` for SDPA, additive float for eager attention.
+
+    A batch of rows, each with its own mask and positions: ``allowed`` ``[batch, queries, keys]``,
+    ``query_pos`` ``[batch, queries]``, ``key_pos`` ``[batch, keys]``; the masks are then
+    ``[batch, 1, queries, keys]``.
     """
+    if allowed.dim() == 2:
+        allowed, query_pos, key_pos = allowed[None], query_pos[None], key_pos[None]
     config = model.config.get_text_config(decoder=True)
     masks = {"full_attention": allowed}
     layer_types = getattr(config, "layer_types", None) or []
     window = getattr(config, "sliding_window", None)
     if "sliding_attention" in layer_types and window:
-        masks["sliding_attention"] = allowed & (key_pos[None, :] > query_pos[:, None] - window)
+        masks["sliding_attention"] = allowed & (key_pos[:, None, :] > query_pos[:, :, None] - window)
     dtype = next(model.parameters()).dtype
     eager = getattr(config, "_attn_implementation", "sdpa") == "eager"
 
     def prepared(m: torch.Tensor) -> torch.Tensor:
-        m = m[None, None].to(device)
+        m = m[:, None].to(device)
         if eager:
             return torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, torch.finfo(dtype).min)
         return m

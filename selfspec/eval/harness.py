@@ -82,7 +82,20 @@ def median_of(reps: Sequence[DecodeStats], key: str) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def paired_ratios(per_rep: Mapping[str, Sequence[DecodeStats]], name: str, baseline: str,
+                  key: str = "tokens_per_s") -> list[float]:
+    """Per repetition, ``name``'s rate over ``baseline``'s in that same repetition (for ``tpot_s``, a
+    time, the baseline's over ``name``'s): a speedup each, paired so that drift between repetitions
+    cancels."""
+    out = []
+    for mine, base in zip(per_rep[name], per_rep[baseline]):
+        a, b = mine.summary()[key], base.summary()[key]
+        r = b / a if key == "tpot_s" else a / b
+        if r == r:
+            out.append(r)
+    return out
+
+
 def speedups(per_rep: Mapping[str, Sequence[DecodeStats]], baseline: str) -> dict[str, float]:
-    """Median tokens/s of each method over the baseline's median tokens/s."""
-    base = median_of(per_rep[baseline], "tokens_per_s")
-    return {name: median_of(reps, "tokens_per_s") / base for name, reps in per_rep.items()}
+    """Each method's speedup over the baseline: the median over repetitions of the paired tokens/s ratios."""
+    return {name: statistics.median(paired_ratios(per_rep, name, baseline) or [float("nan")]) for name in per_rep}

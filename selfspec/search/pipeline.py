@@ -103,6 +103,7 @@ class SearchSettings:
     storage: str = "outputs/optuna/search.db"
     study_name: str = "search"
     cost_reps: int = 7
+    batch: int = 4
     prune: bool = True
     ablation: bool = True
     seed: int = 0
@@ -113,7 +114,7 @@ class SearchSettings:
     def __post_init__(self) -> None:
         if self.objective not in ("predicted", "wallclock"):
             raise SelfSpecError(f"unknown objective {self.objective!r}; choose predicted or wallclock")
-        _at_least(self, 1, "search", "n_trials", "cost_reps")
+        _at_least(self, 1, "search", "n_trials", "cost_reps", "batch")
         _at_least(self, 2, "search", "calibration_tokens")
 
 
@@ -247,7 +248,7 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     conts, costs, cost_note = _calibration(study, storage, lm, calib_ids, space, s)
     sim = RoundSimulator(lm.model, calib_ids, conts, lm.eos_ids)
     if s.objective == "predicted":
-        objective = PredictedObjective(sim, costs)
+        objective = PredictedObjective(sim, costs, s.batch)
     else:
         objective = WallclockObjective(lm.model, calib_ids[: s.retime.prompts], lm.eos_ids, s.retime.max_new_tokens)
     progress = _Progress(s.n_trials, finished(study))
@@ -371,7 +372,8 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
                    s.retime.max_new_tokens, s.retime.reps)
     candidates = [{"draft": r.spec.describe(), "predicted_speedup": r.value,
                    "predicted_acceptance": r.trial.user_attrs.get("predicted_acceptance"),
-                   "measured_decode_speedup": m["decode_speedup"], "measured_speedup": m["speedup"],
+                   "measured_decode_speedup": m["decode_speedup"],
+                   "measured_decode_speedup_range": m["decode_speedup_range"], "measured_speedup": m["speedup"],
                    "measured_acceptance": m["acceptance"]}
                   for r, m in zip(tops, timed)]
     best_i = max(range(len(tops)), key=lambda i: timed[i]["decode_speedup"])
@@ -407,7 +409,14 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
 
 
 def _subset(m: dict) -> dict:
-    return {k: m[k] for k in ("acceptance", "tokens_per_round", "decode_speedup", "speedup")}
+    return {k: m[k] for k in ("acceptance", "tokens_per_round", "decode_speedup", "decode_speedup_range", "speedup")
+            if k in m}
+
+
+def _spread(m: dict) -> str:
+    """The measured decode speedup's range over the repetitions, as printed after it."""
+    lo_hi = m.get("decode_speedup_range")
+    return f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f}x over the repetitions)" if lo_hi and lo_hi[0] != lo_hi[1] else ""
 
 
 def format_report(r: SearchReport) -> str:
@@ -417,20 +426,22 @@ def format_report(r: SearchReport) -> str:
             return f"{label:<12}-"
         return (f"{label:<12}acceptance {p['acceptance']:.3f} predicted / {m['acceptance']:.3f} measured; "
                 f"tokens per round {p['tokens_per_round']:.2f} / {m['tokens_per_round']:.2f}; "
-                f"decode speedup {p['decode_speedup']:.2f}x / {m['decode_speedup']:.2f}x "
+                f"decode speedup {p['decode_speedup']:.2f}x / {m['decode_speedup']:.2f}x{_spread(m)} "
                 f"(end to end, prefill included: {m['speedup']:.2f}x)")
 
     lines = ["", f"best draft  {r.draft.describe()}", row("calibration", r.calibration), row("held-out", r.heldout),
              f"trials      {r.trials} in {r.search_seconds:.0f} s; {r.cost_model_note}", "re-timed candidates:"]
     for c in r.candidates:
         lines.append(f"  {c['draft']}: decode speedup predicted {c['predicted_speedup']:.2f}x (all calibration "
-                     f"prompts), measured {c['measured_decode_speedup']:.2f}x (end to end {c['measured_speedup']:.2f}x)")
+                     f"prompts), measured {c['measured_decode_speedup']:.2f}x"
+                     f"{_spread({'decode_speedup_range': c.get('measured_decode_speedup_range')})} "
+                     f"(end to end {c['measured_speedup']:.2f}x)")
     if r.ablation:
         lines.append("ablation (re-timed calibration prompts; decode speedup predicted / measured, end to end, "
                      "acceptance predicted / measured):")
         for a in r.ablation:
             p, m = a["predicted"], a["measured"]
-            lines.append(f"  {a['variant']:<28}{p['decode_speedup']:.2f}x / {m['decode_speedup']:.2f}x, "
+            lines.append(f"  {a['variant']:<28}{p['decode_speedup']:.2f}x / {m['decode_speedup']:.2f}x{_spread(m)}, "
                          f"{m['speedup']:.2f}x, acceptance {p['acceptance']:.2f} / {m['acceptance']:.2f}")
     lines.append(f"draft written to {r.plan_path}")
     held = (r.heldout.get("measured") or {}).get("speedup")  # end to end: what a user waits for

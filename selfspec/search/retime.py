@@ -7,12 +7,13 @@ autoregressive and each draft interleaved per prompt, medians over repetitions.
 from __future__ import annotations
 
 from dataclasses import replace
+from statistics import median
 
 from selfspec.draft.path import DraftPath
 from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig, autoregressive, self_speculative
-from selfspec.eval.harness import Runner, interleaved, median_of, speedups
+from selfspec.eval.harness import Runner, interleaved, median_of, paired_ratios, speedups
 from selfspec.search.simulate import decode_config_of
 from selfspec.search.study import Evaluation
 
@@ -42,7 +43,9 @@ def retime(model, prompts, specs: list[DraftSpec], eos_ids, max_new_tokens: int,
 
     ``speedup`` is end to end (tokens over total time, the prompt's prefill included);
     ``decode_speedup`` is over the time after each request's first token (TPOT), which is what
-    the search predicts.
+    the search predicts. Both are medians over repetitions of the ratio to AR *in the same
+    repetition* (drift between repetitions cancels); ``decode_speedup_range`` is the lowest and
+    highest of those ratios.
     """
     base = DecodeConfig(max_new_tokens=max_new_tokens, fallback=False)
     runs = {AR: plan_runner(model, eos_ids, None, base)}
@@ -50,14 +53,17 @@ def retime(model, prompts, specs: list[DraftSpec], eos_ids, max_new_tokens: int,
         runs[f"draft{i}"] = spec_runner(model, eos_ids, spec, base)
     per_rep = interleaved(runs, prompts, reps, warmup_tokens=4)
     speedup = speedups(per_rep, AR)
-    ar_tps, ar_tpot = median_of(per_rep[AR], "tokens_per_s"), median_of(per_rep[AR], "tpot_s")
-    return [
-        {"speedup": speedup[f"draft{i}"], "decode_speedup": ar_tpot / median_of(per_rep[f"draft{i}"], "tpot_s"),
-         "acceptance": median_of(per_rep[f"draft{i}"], "acceptance_rate"),
-         "tokens_per_round": median_of(per_rep[f"draft{i}"], "mean_accepted_length"),
-         "ar_tokens_per_s": ar_tps, "tokens_per_s": median_of(per_rep[f"draft{i}"], "tokens_per_s")}
-        for i in range(len(specs))
-    ]
+    out = []
+    for i in range(len(specs)):
+        name = f"draft{i}"
+        decode = paired_ratios(per_rep, name, AR, "tpot_s")
+        out.append({"speedup": speedup[name], "decode_speedup": median(decode) if decode else float("nan"),
+                    "decode_speedup_range": [min(decode), max(decode)] if decode else None,
+                    "acceptance": median_of(per_rep[name], "acceptance_rate"),
+                    "tokens_per_round": median_of(per_rep[name], "mean_accepted_length"),
+                    "ar_tokens_per_s": median_of(per_rep[AR], "tokens_per_s"),
+                    "tokens_per_s": median_of(per_rep[name], "tokens_per_s")})
+    return out
 
 
 class WallclockObjective:

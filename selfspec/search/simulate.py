@@ -15,7 +15,9 @@ loop runs it:
   target. Accepted = leading agreements; the adaptive exit stops the draft after
   the first token drafted with probability under the threshold, which moves by
   the loop's own rule (:class:`~selfspec.engine.decoding.AdaptiveThreshold`).
-  The chunk's slots are then restored from the saved full-model values.
+  All prompts' pending model rounds run as one batched forward; each chunk sits in
+  scratch slots past every prompt's context, so the saved full-model keys/values are
+  never overwritten (:class:`_ChunkCache`).
 - draft trees (:mod:`selfspec.engine.tree`): a copy tree is the trie of the distinct
   continuations, accepted along ``c``; a model draft that branches adds the 2nd-best token
   beside each unsure position, and it is accepted where it is the token the draft got wrong;
@@ -34,9 +36,11 @@ acceptance is exact, its drafted length an estimate).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 
 import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from selfspec.draft.copy import NGramIndex
 from selfspec.draft.packed import packed_weights
@@ -44,6 +48,7 @@ from selfspec.draft.path import DraftPath
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import AdaptiveThreshold, DecodeConfig, forward_at
+from selfspec.engine.masks import layer_masks
 from selfspec.engine.tree import DraftTree
 
 
@@ -96,8 +101,72 @@ class RoundCounts:
                    Counter({int(k): v for k, v in d["copy_rounds"].items()}), d["drafted"], d["accepted"], trees)
 
 
+class _Chunk:
+    """What the next batched draft forward writes: its rows of the cache and the first scratch slot."""
+
+    __slots__ = ("rows", "start")
+
+    def __init__(self, start: int) -> None:
+        self.rows: slice | torch.Tensor = slice(None)
+        self.start = start
+
+
+class _ChunkLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, chunk: _Chunk, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.chunk, self.keys, self.values = chunk, keys, values
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("the simulator's cache is allocated up front")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        rows, a = self.chunk.rows, self.chunk.start  # rows: a slice (a view) or an index tensor (a copy)
+        b = a + key_states.shape[-2]
+        self.keys[rows, :, a:b] = key_states
+        self.values[rows, :, a:b] = value_states
+        return self.keys[rows, :, :b], self.values[rows, :, :b]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.chunk.start + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.chunk.start
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2]
+
+
+class _ChunkCache(Cache):
+    """The full model's keys/values of every calibration prompt, one batch row each, plus scratch slots.
+
+    Row ``b`` holds prompt ``b``'s full-model keys/values at slots = positions ``0 .. len-1``. A
+    batched draft forward writes each row's chunk into the same scratch slots ``start ..`` (past
+    every row's context) and attends, by its mask, to its own context below the round's first
+    position and to its own chunk: the context slots are never overwritten, so nothing is restored.
+    """
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> None:
+        self.chunk = _Chunk(start)
+        super().__init__(layers=[_ChunkLayer(self.chunk, k, v) for k, v in layers])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.chunk.start
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.chunk.start + query_length, 0
+
+
 class RoundSimulator:
-    """Replays the rounds of any draft on fixed prompts and their full-model continuations."""
+    """Replays the rounds of any draft on fixed prompts and their full-model continuations.
+
+    The prompts' rounds are replayed side by side: each step runs the pending model-drafted
+    rounds of all prompts in one batched forward (copy-drafted rounds need none), which reads the
+    weights once for all of them.
+    """
 
     def __init__(self, model, prompts: list[list[int]], continuations: list[list[int]], stop_ids=()) -> None:
         self.model = model
@@ -105,17 +174,26 @@ class RoundSimulator:
         self.device = next(model.parameters()).device
         self.prompts = [list(p) for p in prompts]
         self.continuations = [list(c) for c in continuations]
-        self.caches: list[PositionalKVCache] = []
-        self.saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         longest = max((len(c) for c in self.continuations), default=1)
+        # everything a round ever finds in the cache, as the full model wrote it
+        seqs = [p + c[:-1] for p, c in zip(self.prompts, self.continuations)]
+        self.scratch = max((len(s) for s in seqs), default=0)  # the first scratch slot
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.inference_mode(), packed_weights(model):
-            for p, c in zip(self.prompts, self.continuations):
-                cache = PositionalKVCache(model, max_len=len(p) + longest + 1)
-                seq = p + c[:-1]  # everything a round ever finds in the cache, as the full model wrote it
+            for b, seq in enumerate(seqs):
+                if not seq:
+                    continue
+                cache = PositionalKVCache(model, max_len=len(seq))
                 forward_at(model, cache, self._tensor(seq), 0, keep=1)
-                self.caches.append(cache)
-                self.saved.append([(layer.keys[:, :, : len(seq)].clone(), layer.values[:, :, : len(seq)].clone())
-                                   for layer in cache.layers])
+                if not layers:
+                    shape = lambda t: (len(seqs), t.shape[1], self.scratch + longest, t.shape[3])  # noqa: E731
+                    layers = [(torch.zeros(shape(lay.keys), dtype=lay.keys.dtype, device=self.device),
+                               torch.zeros(shape(lay.values), dtype=lay.values.dtype, device=self.device))
+                              for lay in cache.layers]
+                for (keys, values), lay in zip(layers, cache.layers):
+                    keys[b, :, : len(seq)] = lay.keys[0, :, : len(seq)]
+                    values[b, :, : len(seq)] = lay.values[0, :, : len(seq)]
+        self.cache = _ChunkCache(layers, self.scratch) if layers else None
 
     def _tensor(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long, device=self.device)
@@ -126,28 +204,94 @@ class RoundSimulator:
     def simulate(self, spec: DraftSpec, path: DraftPath | None = None, prompts: range | None = None) -> RoundCounts:
         """Round counts of ``spec`` over the prompts (all of them, or the indices in ``prompts``)."""
         path = path or self.draft_path(spec)
+        rows = list(prompts) if prompts is not None else list(range(len(self.prompts)))
         total = RoundCounts()
         with torch.inference_mode(), packed_weights(self.model):
-            for i in prompts if prompts is not None else range(len(self.prompts)):
-                total.add(self._one(spec, path, i))
+            heads = self._heads(path, rows)
+            replays = {b: self._replay(spec, b) for b in rows}
+            pending = {}
+            for b, replay in replays.items():
+                try:
+                    pending[b] = next(replay)
+                except StopIteration as done:
+                    total.add(done.value)
+            while pending:
+                order = sorted(pending)
+                logits = self._draft_forward(path, [(b, *pending[b]) for b in order], heads)
+                pending = {}
+                for j, b in enumerate(order):
+                    try:
+                        pending[b] = replays[b].send(logits[j])
+                    except StopIteration as done:
+                        total.add(done.value)
         return total
 
-    def _one(self, spec: DraftSpec, path: DraftPath, index: int) -> RoundCounts:
+    def _heads(self, path: DraftPath, rows: list[int]) -> dict[int, torch.Tensor] | None:
+        """With a cut head: the head scores the union of the rows' ids; per row, the ids outside its own set
+        (the base ids, its prompt's tokens) are masked, so each row's logits are its own cut head's."""
+        if path.head is None:
+            return None
+        own = {b: torch.cat([path.base_ids, self._tensor(self.prompts[b]).cpu()]).unique() for b in rows}
+        path.head.choose(torch.cat(list(own.values())).unique().to(self.device))
+        vocab = path.head.inner.out_features
+        masks = {}
+        for b, ids in own.items():
+            outside = torch.ones(vocab, dtype=torch.bool)
+            outside[ids] = False
+            masks[b] = outside.to(self.device)
+        return masks
+
+    def _draft_forward(self, path: DraftPath, rounds: list[tuple[int, int, int]],
+                       heads: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        """One batched draft forward over the rounds ``(prompt, i, k)``: each row's ``c[i:i+k]``
+        teacher-forced at positions ``P+i..``; logits ``[rows, max k, V]``."""
+        width = max(k for _, _, k in rounds)
+        n, start = len(rounds), self.scratch
+        tokens, pos, ctx = [], [], []
+        for b, i, k in rounds:
+            chunk = self.continuations[b][i : i + k]
+            tokens.append(chunk + [chunk[-1]] * (width - k))  # padding rows: after the real ones, never read
+            first = len(self.prompts[b]) + i
+            pos.append(list(range(first, first + width)))
+            ctx.append(first)
+        pos_t = torch.tensor(pos, dtype=torch.long)
+        ctx_t = torch.tensor(ctx, dtype=torch.long)
+        slots = torch.arange(start + width)
+        # row b attends to its full-model context (slots below its round's first position) and,
+        # causally, to its own chunk in the scratch slots
+        scratch = (slots[None, None, :] >= start) & (slots[None, None, :] - start <= torch.arange(width)[None, :, None])
+        allowed = (slots[None, None, :] < ctx_t[:, None, None]) | scratch
+        key_pos = torch.where(slots[None, :] < start, slots[None, :], ctx_t[:, None] + slots[None, :] - start)
+        mask = layer_masks(self.model, allowed, pos_t, key_pos, self.device)
+        cache, rows = self.cache, [b for b, _, _ in rounds]
+        contiguous = rows == list(range(rows[0], rows[0] + n))
+        cache.chunk.rows = slice(rows[0], rows[0] + n) if contiguous else torch.tensor(rows, device=self.device)
+        with path.drafting():
+            out = self.model(input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
+                             position_ids=pos_t.to(self.device), past_key_values=cache, use_cache=True,
+                             attention_mask=mask, logits_to_keep=width)
+        logits = out.logits
+        if heads is not None:
+            outside = torch.stack([heads[b] for b, _, _ in rounds])
+            logits = logits.masked_fill(outside[:, None, :], float("-inf"))
+        return logits
+
+    def _replay(self, spec: DraftSpec, index: int) -> Generator[tuple[int, int], torch.Tensor, RoundCounts]:
+        """The rounds of one prompt, as the loop runs them; yields ``(i, k)`` for each model-drafted
+        round and is sent the draft's logits over ``c[i:i+k]`` (at least ``k`` rows)."""
         prompt, c = self.prompts[index], self.continuations[index]
-        cache, saved = self.caches[index], self.saved[index]
         P, L = len(prompt), len(c)
         out = RoundCounts()
         if L <= 1:
             return out
-        path.prepare(self._tensor(prompt))
         threshold = AdaptiveThreshold(DecodeConfig(k=spec.k, adaptive=spec.adaptive, threshold=spec.threshold))
         opts = spec.options
         ngram = NGramIndex(opts.ngram) if opts.ngram else None
         tree = opts.tree  # the search simulates greedy decoding, where trees are verified
         fallback = NGramIndex(opts.copy_fallback) if tree and opts.copy_fallback else None
-        for index in (ngram, fallback):
-            if index is not None:
-                index.extend(prompt)
+        for idx in (ngram, fallback):
+            if idx is not None:
+                idx.extend(prompt)
         i = 0  # c[i] is pending: emitted, not yet in the cache
         while i + 1 < L:
             room = L - (i + 1) - 1
@@ -175,9 +319,9 @@ class RoundSimulator:
                 if fallback is not None:
                     fallback.extend(c[len(fallback.tokens) - P : i + 1])
                     copies = fallback.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates)
-                modelled, accepted, nodes, depth = self._model_round(
-                    path, cache, saved, c, P, i, k, threshold, opts.branch_below if tree else 0.0, opts.tree_nodes,
-                    copies)
+                logits = yield i, k
+                modelled, accepted, nodes, depth = _model_round(
+                    logits[:k], c, i, k, threshold, opts.branch_below if tree else 0.0, opts.tree_nodes, copies)
                 if nodes > modelled:
                     out.tree_rounds[(modelled, nodes)] += 1
                 else:
@@ -190,41 +334,38 @@ class RoundSimulator:
             i += accepted + 1
         return out
 
-    def _model_round(self, path, cache, saved, c, P, i, k, threshold, branch: float = 0.0,
-                     budget: int = 0, copies: list[list[int]] = ()) -> tuple[int, int, int, int]:
-        """Drafted, accepted, tree nodes and depth of a model-drafted round (nodes > drafted where it
-        branched: the 2nd-best token beside each draft position whose top probability is under
-        ``branch``, then the ``copies`` of shorter matches, under the node budget as the engine adds them).
 
-        The draft's tokens are teacher-forced: exact up to its first miss, which is all acceptance needs.
-        Past the miss the real draft's branches and tokens may differ, so where the node budget binds the
-        node count of a tree with copies may differ from the real one's by a few."""
-        with path.drafting():
-            logits = forward_at(self.model, cache, self._tensor(c[i : i + k]), P + i, keep=k)
-        for layer, (keys, values) in zip(cache.layers, saved):  # the draft's own slots go; the full model's return
-            layer.keys[:, :, P + i : P + i + k] = keys[:, :, P + i : P + i + k]
-            layer.values[:, :, P + i : P + i + k] = values[:, :, P + i : P + i + k]
-        pred = logits.argmax(-1).tolist()
-        drafted = k
-        conf = None
-        if threshold.on or branch:
-            top = logits.float().softmax(-1).topk(2)
-            conf, second = top.values[:, 0].tolist(), top.indices[:, 1].tolist()
-        if threshold.on:
-            drafted = next((j + 1 for j in range(k) if threshold.stops_after(conf[j])), k)
-        accepted = _leading_agreements(pred[:drafted], c[i + 1 : i + 1 + drafted])
-        alternates = [j for j in range(drafted) if conf[j] < branch][: max(budget - drafted, 0)] if branch else []
-        if not copies:
-            if accepted < drafted and accepted in alternates and second[accepted] == c[i + 1 + accepted]:
-                accepted += 1  # the 2nd-best leaf beside the first wrong draft is the target's token
-            return drafted, accepted, drafted + len(alternates), drafted
-        t = DraftTree(c[i], budget)
-        nodes = t.add_path(pred[:drafted], "model")
-        for j in alternates:
-            t.add_path([second[j]], "model#2", parent=nodes[j - 1] if j else 0)
-        for cont in copies:
-            t.add_path(cont, "copy")
-        return drafted, len(t.accept_greedy_along(c[i + 1 :])), t.drafted, t.max_depth
+def _model_round(logits: torch.Tensor, c: list[int], i: int, k: int, threshold: AdaptiveThreshold,
+                 branch: float = 0.0, budget: int = 0, copies: list[list[int]] = ()) -> tuple[int, int, int, int]:
+    """Drafted, accepted, tree nodes and depth of a model-drafted round from the draft's teacher-forced
+    ``logits`` over ``c[i:i+k]`` (nodes > drafted where it branched: the 2nd-best token beside each draft
+    position whose top probability is under ``branch``, then the ``copies`` of shorter matches, under the
+    node budget as the engine adds them).
+
+    The draft's tokens are teacher-forced: exact up to its first miss, which is all acceptance needs.
+    Past the miss the real draft's branches and tokens may differ, so where the node budget binds the
+    node count of a tree with copies may differ from the real one's by a few."""
+    pred = logits.argmax(-1).tolist()
+    drafted = k
+    conf = None
+    if threshold.on or branch:
+        top = logits.float().softmax(-1).topk(2)
+        conf, second = top.values[:, 0].tolist(), top.indices[:, 1].tolist()
+    if threshold.on:
+        drafted = next((j + 1 for j in range(k) if threshold.stops_after(conf[j])), k)
+    accepted = _leading_agreements(pred[:drafted], c[i + 1 : i + 1 + drafted])
+    alternates = [j for j in range(drafted) if conf[j] < branch][: max(budget - drafted, 0)] if branch else []
+    if not copies:
+        if accepted < drafted and accepted in alternates and second[accepted] == c[i + 1 + accepted]:
+            accepted += 1  # the 2nd-best leaf beside the first wrong draft is the target's token
+        return drafted, accepted, drafted + len(alternates), drafted
+    t = DraftTree(c[i], budget)
+    nodes = t.add_path(pred[:drafted], "model")
+    for j in alternates:
+        t.add_path([second[j]], "model#2", parent=nodes[j - 1] if j else 0)
+    for cont in copies:
+        t.add_path(cont, "copy")
+    return drafted, len(t.accept_greedy_along(c[i + 1 :])), t.drafted, t.max_depth
 
 
 def _leading_agreements(draft: list[int], target: list[int]) -> int:

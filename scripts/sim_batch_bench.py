@@ -1,0 +1,92 @@
+"""What simulating the calibration prompts side by side saves per search trial.
+
+    python scripts/sim_batch_bench.py results/optuna/qwen2.5-coder-1.5b-tasks.db qwen2.5-coder-1.5b-tasks \
+        [--trials 12] [--batches 1 4 12] [--dtype bfloat16] [--out results/sim_batch.jsonl]
+
+Takes a committed study's calibration prompts and continuations and the drafts of its first
+``--trials`` finished trials (the drafts a real search scores), and times the round simulation of
+each draft over all prompts, ``batch`` prompts per batched forward, as the search's objective runs
+it (:class:`~selfspec.search.study.PredictedObjective`, without pruning). Every batch size runs
+on the same drafts in one process, the order rotating from draft to draft, after a warm-up; each
+draft's quantized copies are built once, outside the clock. Also checks that every batch size
+gives the same round counts as batch 1 (bf16 rows computed in another batch may round
+differently, so a rare difference is possible; it is counted, not hidden). Appends one JSON line
+to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import optuna
+import torch
+
+from selfspec.assets.models import load_model
+from selfspec.eval.harness import rotated
+from selfspec.provenance import git_commit, machine_fingerprint
+from selfspec.search.pipeline import study_calibration
+from selfspec.search.simulate import RoundCounts, RoundSimulator
+from selfspec.search.space import SearchSpace
+from selfspec.search.workers import open_storage
+
+
+def simulate_in_batches(sim: RoundSimulator, spec, path, batch: int) -> RoundCounts:
+    total = RoundCounts()
+    n = len(sim.prompts)
+    for first in range(0, n, batch):
+        total.add(sim.simulate(spec, path, prompts=range(first, min(first + batch, n))))
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("storage")
+    ap.add_argument("study")
+    ap.add_argument("--trials", type=int, default=12)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 12])
+    ap.add_argument("--dtype", default="bfloat16", help="the model's dtype (the study's, e.g. float32 for tiny models)")
+    ap.add_argument("--out", default="results/sim_batch.jsonl")
+    args = ap.parse_args()
+    saved = study_calibration(args.storage, args.study)
+    study = optuna.load_study(study_name=args.study, storage=open_storage(args.storage))
+    lm = load_model(saved["key"]["model"], dtype=args.dtype)
+    space = SearchSpace(lm.num_layers)
+    trials = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE][: args.trials]
+    specs = [space.spec_of(t.params, lm.name) for t in trials]
+    sim = RoundSimulator(lm.model, saved["key"]["prompts"], saved["continuations"], lm.eos_ids)
+    print(f"{lm.name}: {len(sim.prompts)} prompts, {len(specs)} drafts, batches {args.batches}", flush=True)
+    simulate_in_batches(sim, specs[0], sim.draft_path(specs[0]), max(args.batches))  # warm-up
+    seconds: dict[int, list[float]] = {b: [] for b in args.batches}
+    differ = {b: 0 for b in args.batches}
+    for i, spec in enumerate(specs):
+        path = sim.draft_path(spec)
+        counts = {}
+        for b in rotated(args.batches, i):
+            t0 = time.perf_counter()
+            counts[b] = simulate_in_batches(sim, spec, path, b)
+            seconds[b].append(time.perf_counter() - t0)
+        for b in args.batches:
+            differ[b] += counts[b] != counts[args.batches[0]]
+        print(f"draft {i}: " + ", ".join(f"batch {b} {seconds[b][-1]:.2f} s" for b in args.batches), flush=True)
+    first = args.batches[0]
+    row = {"model": lm.name, "dtype": args.dtype, "prompts": len(sim.prompts), "drafts": len(specs), "study": args.study,
+           "torch": torch.__version__, "threads": torch.get_num_threads(), "git_commit": git_commit(),
+           "machine": machine_fingerprint(), "batches": {}}
+    for b in args.batches:
+        ratios = [a / x for a, x in zip(seconds[first], seconds[b])]
+        row["batches"][str(b)] = {
+            "mean_s_per_draft": round(statistics.fmean(seconds[b]), 3),
+            "speedup_over_first": round(sum(seconds[first]) / sum(seconds[b]), 3),
+            "per_draft_speedup_min": round(min(ratios), 3), "per_draft_speedup_max": round(max(ratios), 3),
+            "drafts_whose_counts_differ_from_first": differ[b],
+        }
+        print(f"batch {b}: {row['batches'][str(b)]}", flush=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
