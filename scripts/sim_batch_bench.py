@@ -35,9 +35,8 @@ from selfspec.search.workers import open_storage
 
 def simulate_in_batches(sim: RoundSimulator, spec, path, batch: int) -> RoundCounts:
     total = RoundCounts()
-    n = len(sim.prompts)
-    for first in range(0, n, batch):
-        total.add(sim.simulate(spec, path, prompts=range(first, min(first + batch, n))))
+    for _, counts in sim.batches(spec, path, batch):
+        total.add(counts)
     return total
 
 

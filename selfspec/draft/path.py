@@ -147,11 +147,14 @@ class DraftPath:
             head = rows * w.shape[1] * w.element_size()
         return sum(lin.extra_bytes for lin in self.linears) + head
 
+    def head_ids(self, prompt: torch.Tensor) -> torch.Tensor:
+        """The ids the cut head scores for a request: the base ids and the prompt's own tokens."""
+        return torch.cat([self.base_ids.to(prompt.device), prompt.reshape(-1)]).unique()
+
     def prepare(self, prompt: torch.Tensor) -> None:
         """Per request: the cut head also scores the prompt's tokens (copying them is common)."""
         if self.head is not None:
-            ids = torch.cat([self.base_ids.to(prompt.device), prompt.reshape(-1)]).unique()
-            self.head.choose(ids)
+            self.head.choose(self.head_ids(prompt))
 
     @contextmanager
     def drafting(self) -> Iterator[None]:

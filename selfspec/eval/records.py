@@ -161,8 +161,7 @@ def summarize(rows: list[dict], baseline: str) -> dict[str, dict]:
 
 
 def _tokens_per_s(rows: list[dict]) -> float:
-    st = DecodeStats.merged([stats_of_row(r) for r in rows])
-    return st.new_tokens / st.total_time if st.total_time > 0 else float("nan")
+    return DecodeStats.merged([stats_of_row(r) for r in rows]).summary()["tokens_per_s"]
 
 
 def _by_pass(rows: list[dict]) -> dict[int, dict[str, dict]]:

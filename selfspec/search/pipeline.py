@@ -413,9 +413,8 @@ def _subset(m: dict) -> dict:
             if k in m}
 
 
-def _spread(m: dict) -> str:
+def _spread(lo_hi: list[float] | None) -> str:
     """The measured decode speedup's range over the repetitions, as printed after it."""
-    lo_hi = m.get("decode_speedup_range")
     return f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f}x over the repetitions)" if lo_hi and lo_hi[0] != lo_hi[1] else ""
 
 
@@ -426,7 +425,8 @@ def format_report(r: SearchReport) -> str:
             return f"{label:<12}-"
         return (f"{label:<12}acceptance {p['acceptance']:.3f} predicted / {m['acceptance']:.3f} measured; "
                 f"tokens per round {p['tokens_per_round']:.2f} / {m['tokens_per_round']:.2f}; "
-                f"decode speedup {p['decode_speedup']:.2f}x / {m['decode_speedup']:.2f}x{_spread(m)} "
+                f"decode speedup {p['decode_speedup']:.2f}x / {m['decode_speedup']:.2f}x"
+                f"{_spread(m.get('decode_speedup_range'))} "
                 f"(end to end, prefill included: {m['speedup']:.2f}x)")
 
     lines = ["", f"best draft  {r.draft.describe()}", row("calibration", r.calibration), row("held-out", r.heldout),
@@ -434,14 +434,15 @@ def format_report(r: SearchReport) -> str:
     for c in r.candidates:
         lines.append(f"  {c['draft']}: decode speedup predicted {c['predicted_speedup']:.2f}x (all calibration "
                      f"prompts), measured {c['measured_decode_speedup']:.2f}x"
-                     f"{_spread({'decode_speedup_range': c.get('measured_decode_speedup_range')})} "
+                     f"{_spread(c.get('measured_decode_speedup_range'))} "
                      f"(end to end {c['measured_speedup']:.2f}x)")
     if r.ablation:
         lines.append("ablation (re-timed calibration prompts; decode speedup predicted / measured, end to end, "
                      "acceptance predicted / measured):")
         for a in r.ablation:
             p, m = a["predicted"], a["measured"]
-            lines.append(f"  {a['variant']:<28}{p['decode_speedup']:.2f}x / {m['decode_speedup']:.2f}x{_spread(m)}, "
+            spread = _spread(m.get("decode_speedup_range"))
+            lines.append(f"  {a['variant']:<28}{p['decode_speedup']:.2f}x / {m['decode_speedup']:.2f}x{spread}, "
                          f"{m['speedup']:.2f}x, acceptance {p['acceptance']:.2f} / {m['acceptance']:.2f}")
     lines.append(f"draft written to {r.plan_path}")
     held = (r.heldout.get("measured") or {}).get("speedup")  # end to end: what a user waits for

@@ -53,6 +53,7 @@ def retime(model, prompts, specs: list[DraftSpec], eos_ids, max_new_tokens: int,
         runs[f"draft{i}"] = spec_runner(model, eos_ids, spec, base)
     per_rep = interleaved(runs, prompts, reps, warmup_tokens=4)
     speedup = speedups(per_rep, AR)
+    ar_tps = median_of(per_rep[AR], "tokens_per_s")
     out = []
     for i in range(len(specs)):
         name = f"draft{i}"
@@ -61,7 +62,7 @@ def retime(model, prompts, specs: list[DraftSpec], eos_ids, max_new_tokens: int,
                     "decode_speedup_range": [min(decode), max(decode)] if decode else None,
                     "acceptance": median_of(per_rep[name], "acceptance_rate"),
                     "tokens_per_round": median_of(per_rep[name], "mean_accepted_length"),
-                    "ar_tokens_per_s": median_of(per_rep[AR], "tokens_per_s"),
+                    "ar_tokens_per_s": ar_tps,
                     "tokens_per_s": median_of(per_rep[name], "tokens_per_s")})
     return out
 

@@ -36,7 +36,7 @@ acceptance is exact, its drafted length an estimate).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -226,19 +226,25 @@ class RoundSimulator:
                         total.add(done.value)
         return total
 
+    def batches(self, spec: DraftSpec, path: DraftPath, size: int) -> Iterator[tuple[int, RoundCounts]]:
+        """The prompts ``size`` at a time: per batch, the index of its last prompt and its round counts."""
+        n = len(self.prompts)
+        for first in range(0, n, size):
+            last = min(first + size, n)
+            yield last - 1, self.simulate(spec, path, prompts=range(first, last))
+
     def _heads(self, path: DraftPath, rows: list[int]) -> dict[int, torch.Tensor] | None:
         """With a cut head: the head scores the union of the rows' ids; per row, the ids outside its own set
         (the base ids, its prompt's tokens) are masked, so each row's logits are its own cut head's."""
         if path.head is None:
             return None
-        own = {b: torch.cat([path.base_ids, self._tensor(self.prompts[b]).cpu()]).unique() for b in rows}
-        path.head.choose(torch.cat(list(own.values())).unique().to(self.device))
-        vocab = path.head.inner.out_features
+        own = {b: path.head_ids(self._tensor(self.prompts[b])) for b in rows}
+        path.head.choose(torch.cat(list(own.values())).unique())
         masks = {}
         for b, ids in own.items():
-            outside = torch.ones(vocab, dtype=torch.bool)
+            outside = torch.ones(path.head.inner.out_features, dtype=torch.bool, device=self.device)
             outside[ids] = False
-            masks[b] = outside.to(self.device)
+            masks[b] = outside
         return masks
 
     def _draft_forward(self, path: DraftPath, rounds: list[tuple[int, int, int]],

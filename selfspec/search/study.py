@@ -54,12 +54,10 @@ class PredictedObjective:
     def __call__(self, spec: DraftSpec, report: Callable[[int, float], None] | None = None) -> Evaluation:
         path = self.simulator.draft_path(spec)
         counts = RoundCounts()
-        n = len(self.simulator.prompts)
-        for first in range(0, n, self.batch):
-            last = min(first + self.batch, n)
-            counts.add(self.simulator.simulate(spec, path, prompts=range(first, last)))
+        for last, batch in self.simulator.batches(spec, path, self.batch):
+            counts.add(batch)
             if report is not None and counts.tokens:
-                report(last - 1, self.costs.predicted_speedup(counts, spec))
+                report(last, self.costs.predicted_speedup(counts, spec))
         return Evaluation(self.costs.predicted_speedup(counts, spec), counts.acceptance, counts.tokens_per_round, counts)
 
 
