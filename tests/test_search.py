@@ -346,7 +346,10 @@ def test_storage_urls_and_bad_ones(tmp_path):
 def test_ctrl_c_during_the_search_is_one_clean_message(tmp_path):
     db = tmp_path / "optuna" / "study.db"
     # So many trials that the search cannot end on its own before the signal.
-    proc = _cli(tmp_path, "logger=none", "search.n_trials=100000")
+    # A user's Ctrl-C reaches a foreground program. A test run started in the background (CI, nohup, `&` in a
+    # script) ignores SIGINT, and the child would inherit that: give it back the default, as a terminal would.
+    proc = _cli(tmp_path, "logger=none", "search.n_trials=100000",
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline, done = time.time() + 120, 0
     while time.time() < deadline and done < 3:
         time.sleep(0.3)
