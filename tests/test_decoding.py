@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
+from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.engine.decoding import Speculator
 from tests.conftest import PROMPT
 
 N = 4  # layers of the tiny models
@@ -111,6 +113,45 @@ def test_fallback_to_plain_decoding_when_drafts_fail(make_model):
     assert sp.stats.fell_back_at is not None
     assert sp.stats.plain_steps > 0
     assert sp.stats.summary()["fell_back_at"] == sp.stats.fell_back_at
+
+
+def test_the_gate_takes_plain_steps_for_a_draft_that_does_not_pay_and_keeps_probing(make_model):
+    model = make_model("qwen2")
+    bad_plan = SkipPlan(N, attn=(0, 1, 2, 3), mlp=(1, 2, 3))  # drafts almost never agree: a round of 4 draft
+    # steps and a verify yields about one token, where a plain step yields one for about the verify's cost
+    cfg = DecodeConfig(max_new_tokens=60, k=4, fallback=False, gate=True, fallback_min_rounds=2, gate_probe=3)
+    ar = autoregressive(model, PROMPT, cfg)
+    sp = self_speculative(model, PROMPT, bad_plan, cfg)
+    assert sp.tokens == ar.tokens
+    s = sp.stats
+    assert s.gated_steps > 0 and s.plain_steps >= s.gated_steps and s.fell_back_at is None
+    assert s.rounds > 2 + s.gated_steps // 3 - 1  # a probe round after every 3 gated steps
+    assert s.summary()["gated_steps"] == s.gated_steps
+    off = self_speculative(model, PROMPT, bad_plan, DecodeConfig(max_new_tokens=60, k=4, fallback=False))
+    assert off.tokens == ar.tokens and off.stats.gated_steps == 0
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_closed_gate_still_runs_every_copy_round(make_model, monkeypatch, tree):
+    model = make_model("llama")
+    prompt = PROMPT + PROMPT[:6] + PROMPT  # repeats: copy rounds
+    plan = SkipPlan(N, attn=(1,))
+    opts = DraftOptions(ngram=2, copy_tokens=6, copy_candidates=3 if tree else 1, tree_nodes=8)
+    cfg = DecodeConfig(max_new_tokens=40, k=3, fallback=False)
+    want = autoregressive(model, prompt, cfg).tokens
+    copies = self_speculative(model, prompt, plan, cfg, draft=DraftPath(model, plan, opts)).stats.copy_rounds
+    monkeypatch.setattr(Speculator, "model_draft_pays", lambda self: False)
+    got = self_speculative(model, prompt, plan, DecodeConfig(max_new_tokens=40, k=3, fallback=False, gate=True),
+                           draft=DraftPath(model, plan, opts))
+    s = got.stats
+    assert got.tokens == want
+    assert copies > 0 and s.copy_rounds > 0 and s.rounds == s.copy_rounds  # no model round ran
+    assert s.gated_steps > 0 and s.gated_steps + 1 >= s.plain_steps
+
+
+def test_gate_settings_are_checked():
+    with pytest.raises(Exception, match="gate_probe"):
+        DecodeConfig(gate=True, gate_probe=0)
 
 
 def test_float64_long_generation_crosses_sliding_window(make_model):

@@ -137,6 +137,36 @@ def test_engine_samples_the_target_distribution(make_model, params, draft):
     assert chi2_pvalue(c3, p3) > ALPHA
 
 
+def test_the_gate_keeps_the_target_distribution(make_model, monkeypatch):
+    """Plain steps the gate takes between copy and model rounds draw from the model's own distribution."""
+    from selfspec.engine.decoding import Speculator
+
+    vocab, params = 8, SamplingParams(temperature=1.0)
+    model = tiny_model("llama", dtype=torch.float64, vocab_size=vocab)
+    prompt = [1, 5, 1, 6, 3, 1]
+    plan = SkipPlan(4, attn=(1,), mlp=(1, 2))
+    with torch.inference_mode():
+        def dist(ctx):
+            return probs_from_logits(model(input_ids=torch.tensor([ctx])).logits[0, -1], params).double()
+        p1 = dist(prompt)
+        p3 = torch.zeros(vocab, dtype=torch.float64)
+        for a in range(vocab):
+            pa = dist(prompt + [a])
+            for b in range(vocab):
+                p3 += p1[a] * pa[b] * dist(prompt + [a, b])
+    # a rule that looks only at the past: a plain step after an odd number of new tokens
+    monkeypatch.setattr(Speculator, "model_draft_pays", lambda self: self.run.stats.new_tokens % 2 == 0)
+    path = DraftPath(model, plan, DraftOptions(ngram=1))
+    c3, gated = torch.zeros(vocab), 0
+    for seed in range(600):  # fewer draws than above: the plain step is the AR step; this checks the hand-over
+        cfg = DecodeConfig(max_new_tokens=3, k=2, sampling=params, seed=seed, fallback=False, gate=True)
+        g = self_speculative(model, prompt, plan, cfg, draft=path)
+        c3[g.tokens[2]] += 1
+        gated += g.stats.gated_steps
+    assert gated > 0
+    assert chi2_pvalue(c3, p3) > ALPHA
+
+
 def test_tree_acceptance_keeps_the_target_distribution_along_every_path():
     """A hand-built tree under the pending token: a drawn two-token path first, then chosen tokens
     beside it at both levels. The first token must follow the root's p; the token after an

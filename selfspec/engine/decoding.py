@@ -71,6 +71,13 @@ class DecodeConfig:
     cover the longest verify (k+1, copy_tokens+1); the AR baseline must run with the same
     ``rows`` and ``exact``. Chains only: draft trees are refused.
 
+    Gate (``gate``): a round with no copy match drafts with the model only while model-drafted
+    rounds measure at least as fast as plain steps (running tokens per second of each, from
+    ``fallback_min_rounds`` model rounds on); otherwise it takes a plain step, and every
+    ``gate_probe`` such steps one model round is drafted again to refresh its rate. Copy rounds
+    always run. Which kind of round runs depends only on past timings, never on the tokens to
+    come, so greedy output and the sampling distribution are unchanged.
+
     Fallback: after ``fallback_min_rounds`` rounds, when the running
     tokens-per-round times the verify time falls under the running round
     time (speculation predicted slower than plain decoding), the request
@@ -85,6 +92,8 @@ class DecodeConfig:
     target_acceptance: float = 0.7
     fallback: bool = True
     fallback_min_rounds: int = 8
+    gate: bool = False
+    gate_probe: int = 8
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     packed_weights: bool = True
@@ -104,6 +113,9 @@ class DecodeConfig:
         if self.exact and self.rows < 2:
             raise SelfSpecError("exact greedy pads every full-model forward to `rows` rows: set rows to the longest "
                                 "verify (k+1, or copy_tokens+1 with copy drafting)")
+        if isinstance(self.gate_probe, bool) or not isinstance(self.gate_probe, int) or self.gate_probe < 1:
+            raise SelfSpecError(f"gate_probe (plain steps between model-draft probes) must be an integer >= 1, "
+                                f"got {self.gate_probe!r}")
         if self.packed_only and not self.packed_weights:
             raise SelfSpecError("packed_only frees the dense weights of packed ones: it needs packed_weights=true")
 
@@ -305,6 +317,11 @@ class Speculator:
         self.ema_verify: float | None = None
         self.ema_round: float | None = None
         self.speculating = True
+        # the model-draft gate: running tokens per second of model-drafted rounds and of plain steps
+        self.model_rounds = 0
+        self.model_rate: float | None = None
+        self.plain_rate: float | None = None
+        self.since_probe = 0  # plain steps the gate took since the last model round
 
     def start(self) -> None:
         self.path.prepare(self.run.prompt)
@@ -371,10 +388,11 @@ class Speculator:
         p = probs_from_logits(logits, self.cfg.sampling)
         return verify_sampling(draft_t, torch.stack(qs), p, run.generator)
 
-    def draft_tree(self, k: int, room: int) -> DraftTree:
+    def draft_tree(self, k: int, room: int) -> DraftTree | None:
         """The round's candidates as a tree: distinct copy continuations (latest match first) or,
         without a match, the model's draft with its 2nd-best tokens at low-confidence positions,
-        then the continuations of shorter (``copy_fallback``-token) matches."""
+        then the continuations of shorter (``copy_fallback``-token) matches. None when there is no
+        match and the gate says a model draft does not pay."""
         run, opts = self.run, self.path.options
         tree = DraftTree(run.pending, opts.tree_nodes)
         found = []
@@ -386,6 +404,8 @@ class Speculator:
         if found:
             run.stats.copy_rounds += 1
             return tree
+        if not self.model_draft_pays():
+            return None
         drafts, qs = self.draft(k)
         nodes = tree.add_path(drafts, "model", proposals=qs)
         for j, alt in self.alternates:
@@ -427,7 +447,11 @@ class Speculator:
     def tree_round(self, k: int, room: int) -> None:
         run, stats = self.run, self.run.stats
         t0 = run.clock.now()
+        copies = stats.copy_rounds
         tree = self.draft_tree(k, room)
+        if tree is None:
+            self.gated_step()
+            return
         t1 = run.clock.now()
         path, nxt = self.verify_tree(tree)
         n = len(path)
@@ -440,6 +464,32 @@ class Speculator:
         stats.record_round(tree.max_depth, n)
         stats.record_tokens(len(kept), t2 - t0)
         self.adapt(tree.max_depth, n, t2 - t1, t2 - t0)
+        if stats.copy_rounds == copies:  # drafted by the model
+            self.model_round_done(n + 1, t2 - t0)
+
+    def model_draft_pays(self) -> bool:
+        """With the gate on: whether a round with no copy match should draft with the model."""
+        if not self.cfg.gate or self.model_rounds < self.cfg.fallback_min_rounds:
+            return True
+        # before the gate's first plain step, a verify pass stands in for one (rows-padded: about as costly)
+        plain = self.plain_rate or (1.0 / self.ema_verify if self.ema_verify else None)
+        if plain is None or self.model_rate >= plain or self.since_probe >= self.cfg.gate_probe:
+            return True
+        return False
+
+    def gated_step(self) -> None:
+        """A plain step in place of a model draft that does not pay."""
+        run = self.run
+        t0 = run.clock.now()
+        run.plain_step()
+        self.plain_rate = _ema(self.plain_rate, 1.0 / max(run.clock.now() - t0, 1e-9))
+        run.stats.gated_steps += 1
+        self.since_probe += 1
+
+    def model_round_done(self, tokens: int, seconds: float) -> None:
+        self.model_rounds += 1
+        self.model_rate = _ema(self.model_rate, tokens / max(seconds, 1e-9))
+        self.since_probe = 0
 
     def round(self) -> None:
         run, stats = self.run, self.run.stats
@@ -453,8 +503,12 @@ class Speculator:
             return
         t0 = run.clock.now()
         drafts, qs = self.copy_draft(min(self.path.options.copy_tokens or k, room))
-        if drafts:
+        copied = bool(drafts)
+        if copied:
             stats.copy_rounds += 1
+        elif not self.model_draft_pays():
+            self.gated_step()
+            return
         else:
             drafts, qs = self.draft(k)
         t1 = run.clock.now()
@@ -468,6 +522,8 @@ class Speculator:
         stats.record_round(len(drafts), n)
         stats.record_tokens(len(kept), t2 - t0)
         self.adapt(len(drafts), n, t2 - t1, t2 - t0)
+        if not copied:
+            self.model_round_done(n + 1, t2 - t0)
 
     def adapt(self, drafted: int, accepted: int, verify_time: float, round_time: float) -> None:
         ema = _ema

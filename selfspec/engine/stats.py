@@ -56,7 +56,8 @@ class DecodeStats:
     new_tokens: int = 0
     rounds: int = 0  # verify passes of speculative rounds
     copy_rounds: int = 0  # rounds whose draft was copied from the context (n-gram match)
-    plain_steps: int = 0  # one-token target steps (baseline, fallback, last token)
+    plain_steps: int = 0  # one-token target steps (baseline, fallback, gate, last token)
+    gated_steps: int = 0  # of those, steps the model-draft gate took in place of a model draft (DecodeConfig.gate)
     drafted: int = 0
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
@@ -100,8 +101,8 @@ class DecodeStats:
         """One set of counters for several requests (the turns of one sample)."""
         out = cls(method=parts[0].method, requests=0)
         for p in parts:
-            for name in ("requests", "prompt_tokens", "new_tokens", "rounds", "copy_rounds", "plain_steps", "drafted", "accepted",
-                         "prefill_time", "draft_time", "verify_time", "step_time", "ttft", "total_time",
+            for name in ("requests", "prompt_tokens", "new_tokens", "rounds", "copy_rounds", "plain_steps", "gated_steps",
+                         "drafted", "accepted", "prefill_time", "draft_time", "verify_time", "step_time", "ttft", "total_time",
                          "tree_rounds", "tree_nodes"):
                 setattr(out, name, getattr(out, name) + getattr(p, name))
             for mine, theirs in ((out.drafted_per_position, p.drafted_per_position),
@@ -143,6 +144,7 @@ class DecodeStats:
             "rounds": self.rounds,
             "copy_rounds": self.copy_rounds,
             "plain_steps": self.plain_steps,
+            "gated_steps": self.gated_steps,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),

@@ -109,12 +109,15 @@ def decode_record(cfg: DecodeConfig) -> dict:
     ``packed_weights`` and ``packed_only`` appear only when on, so runs recorded
     before they existed still resume: those made on the weights as loaded with
     ``decoding.packed_weights=false``, those with packed copies as they are. Likewise
-    ``rows`` appears only when not 1 and ``exact`` only when on.
+    ``rows`` appears only when not 1, ``exact`` only when on, ``gate`` and ``gate_probe``
+    only with the gate on.
     """
     rec = asdict(cfg)
-    for key in ("packed_weights", "packed_only", "exact"):
+    for key in ("packed_weights", "packed_only", "exact", "gate"):
         if not rec[key]:
             del rec[key]
+    if not cfg.gate:
+        del rec["gate_probe"]
     if rec["rows"] == 1:
         del rec["rows"]
     return rec
