@@ -243,6 +243,9 @@ def test_runs_recorded_before_packed_weights_resume_with_them_off():
     rec = decode_record(DecodeConfig())
     assert rec["packed_weights"] is True and rec["k"] == DecodeConfig().k
     assert "packed_only" not in rec and decode_record(DecodeConfig(packed_only=True))["packed_only"] is True
+    # the gate came later: runs recorded without it still resume; with it on, its settings are recorded
+    assert "gate" not in rec and "gate_probe" not in rec
+    assert decode_record(DecodeConfig(gate=True, gate_probe=4)) == {**rec, "gate": True, "gate_probe": 4}
 
 
 def test_packed_only_refuses_the_transformers_methods(tmp_path, tiny_plan):
