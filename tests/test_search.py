@@ -191,6 +191,9 @@ def test_cli_end_to_end_with_offline_wandb(tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "best draft" in out and "measured" in out
+    # the re-timed candidates include the best draft with no sublayer skipped (its options alone)
+    retimed = out[out.index("re-timed candidates:"):].splitlines()[1:]
+    assert any("(0 of 8 sublayers)" in line for line in retimed if line.startswith("  ")), out
     spec = DraftSpec.load(tmp_path / "plans" / "tiny-llama-default.json")
     assert spec.plan.num_layers == 4 and spec.k in (1, 2, 3)
     prov = spec.plan.provenance

@@ -367,17 +367,23 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     tops = top_drafts(study, space, s.retime.top_n, lm.name, costs if s.objective == "predicted" else None)
     if not tops:
         raise SelfSpecError("no trial finished within the budget; widen min_skipped/max_skipped or run more trials")
-    # re-time the best few with real runs, then pick by measured speedup
-    timed = retime(lm.model, calib_ids[: s.retime.prompts], [r.spec for r in tops], lm.eos_ids,
+    # the best few, and the best one with no sublayer skipped (its options alone): the cost model can price
+    # a skip above what it saves (it did on the 0.5B, results/PERF.md), and only a real run tells
+    entries = [(r.spec, r.value, r.trial.user_attrs.get("predicted_acceptance")) for r in tops]
+    twin = tops[0].spec.replace(plan=SkipPlan(tops[0].spec.plan.num_layers, model=tops[0].spec.plan.model))
+    if space.within(twin.plan) and twin.key not in {spec.key for spec, _, _ in entries}:
+        p = _predict(sim, costs, twin)
+        entries.append((twin, p["decode_speedup"], p["acceptance"]))
+    # re-time them with real runs, then pick by measured speedup
+    timed = retime(lm.model, calib_ids[: s.retime.prompts], [spec for spec, _, _ in entries], lm.eos_ids,
                    s.retime.max_new_tokens, s.retime.reps)
-    candidates = [{"draft": r.spec.describe(), "predicted_speedup": r.value,
-                   "predicted_acceptance": r.trial.user_attrs.get("predicted_acceptance"),
+    candidates = [{"draft": spec.describe(), "predicted_speedup": value, "predicted_acceptance": acceptance,
                    "measured_decode_speedup": m["decode_speedup"],
                    "measured_decode_speedup_range": m["decode_speedup_range"], "measured_speedup": m["speedup"],
                    "measured_acceptance": m["acceptance"]}
-                  for r, m in zip(tops, timed)]
-    best_i = max(range(len(tops)), key=lambda i: timed[i]["decode_speedup"])
-    best = tops[best_i].spec
+                  for (spec, value, acceptance), m in zip(entries, timed)]
+    best_i = max(range(len(entries)), key=lambda i: timed[i]["decode_speedup"])
+    best, best_predicted = entries[best_i][0], entries[best_i][1]
     n_timed = min(s.retime.prompts, len(calib_ids))  # predicted on the prompts that were timed
     calibration = {"predicted": _predict(sim, costs, best, n_timed), "measured": _subset(timed[best_i])}
     heldout = {"predicted": {}, "measured": {}}
@@ -395,7 +401,7 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
         ablation = [{"variant": name, "draft": v.describe(), "predicted": _predict(sim, costs, v, n_timed),
                      "measured": _subset(m)}
                     for (name, v), m in zip(variants, measured)]
-    report = SearchReport(draft=best, predicted_speedup=tops[best_i].value, calibration=calibration, heldout=heldout,
+    report = SearchReport(draft=best, predicted_speedup=best_predicted, calibration=calibration, heldout=heldout,
                           trials=finished(study), search_seconds=time.perf_counter() - t_start, plan_path="",
                           cost_model_note=cost_note, candidates=candidates, ablation=ablation)
     prov = provenance({"model": lm.name, "dataset": prompt_set.name, "dtype": lm.info.get("dtype"),
