@@ -84,6 +84,22 @@ def test_top_k_top_p_filters():
     assert (p > 0).sum() == 3
 
 
+def _marginals(model, prompt, params, vocab):
+    """Exact marginals of new tokens 2 and 3, by enumerating the first two."""
+    with torch.inference_mode():
+        def dist(ctx):
+            return probs_from_logits(model(input_ids=torch.tensor([ctx])).logits[0, -1], params).double()
+        p1 = dist(prompt)
+        p2 = torch.zeros(vocab, dtype=torch.float64)
+        p3 = torch.zeros(vocab, dtype=torch.float64)
+        for a in range(vocab):
+            pa = dist(prompt + [a])
+            p2 += p1[a] * pa
+            for b in range(vocab):
+                p3 += p1[a] * pa[b] * dist(prompt + [a, b])
+    return p2, p3
+
+
 @pytest.mark.parametrize("params,draft", [
     (SamplingParams(temperature=1.0), None),
     (SamplingParams(temperature=0.8, top_k=6), None),
@@ -106,18 +122,7 @@ def test_engine_samples_the_target_distribution(make_model, params, draft):
         model = tiny_model("llama", dtype=torch.float64, vocab_size=vocab)
     prompt = [1, 5, 1, 6, 3, 1]  # 1 repeats with different continuations: several copy candidates
     plan = SkipPlan(4, attn=(1,), mlp=(1, 2))
-    # exact marginals of tokens 2 and 3 by enumerating the first two tokens
-    with torch.inference_mode():
-        def dist(ctx):
-            return probs_from_logits(model(input_ids=torch.tensor([ctx])).logits[0, -1], params).double()
-        p1 = dist(prompt)
-        p2 = torch.zeros(vocab, dtype=torch.float64)
-        p3 = torch.zeros(vocab, dtype=torch.float64)
-        for a in range(vocab):
-            pa = dist(prompt + [a])
-            p2 += p1[a] * pa
-            for b in range(vocab):
-                p3 += p1[a] * pa[b] * dist(prompt + [a, b])
+    p2, p3 = _marginals(model, prompt, params, vocab)
     path = DraftPath(model, plan, draft) if draft is not None else None
     n = 1500
     c2, c3 = torch.zeros(vocab), torch.zeros(vocab)
@@ -145,15 +150,7 @@ def test_the_gate_keeps_the_target_distribution(make_model, monkeypatch):
     model = tiny_model("llama", dtype=torch.float64, vocab_size=vocab)
     prompt = [1, 5, 1, 6, 3, 1]
     plan = SkipPlan(4, attn=(1,), mlp=(1, 2))
-    with torch.inference_mode():
-        def dist(ctx):
-            return probs_from_logits(model(input_ids=torch.tensor([ctx])).logits[0, -1], params).double()
-        p1 = dist(prompt)
-        p3 = torch.zeros(vocab, dtype=torch.float64)
-        for a in range(vocab):
-            pa = dist(prompt + [a])
-            for b in range(vocab):
-                p3 += p1[a] * pa[b] * dist(prompt + [a, b])
+    _, p3 = _marginals(model, prompt, params, vocab)
     # a rule that looks only at the past: a plain step after an odd number of new tokens
     monkeypatch.setattr(Speculator, "model_draft_pays", lambda self: self.run.stats.new_tokens % 2 == 0)
     path = DraftPath(model, plan, DraftOptions(ngram=1))
