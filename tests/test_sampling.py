@@ -14,6 +14,7 @@ import torch
 from selfspec import DecodeConfig, SamplingParams, SkipPlan, self_speculative
 from selfspec.assets.tiny import tiny_model
 from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.engine.decoding import Speculator
 from selfspec.engine.sampling import probs_from_logits, sample, verify_greedy, verify_sampling
 from selfspec.engine.tree import DraftTree
 
@@ -144,8 +145,6 @@ def test_engine_samples_the_target_distribution(make_model, params, draft):
 
 def test_the_gate_keeps_the_target_distribution(make_model, monkeypatch):
     """Plain steps the gate takes between copy and model rounds draw from the model's own distribution."""
-    from selfspec.engine.decoding import Speculator
-
     vocab, params = 8, SamplingParams(temperature=1.0)
     model = tiny_model("llama", dtype=torch.float64, vocab_size=vocab)
     prompt = [1, 5, 1, 6, 3, 1]

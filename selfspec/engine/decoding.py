@@ -473,9 +473,7 @@ class Speculator:
             return True
         # before the gate's first plain step, a verify pass stands in for one (rows-padded: about as costly)
         plain = self.plain_rate or (1.0 / self.ema_verify if self.ema_verify else None)
-        if plain is None or self.model_rate >= plain or self.since_probe >= self.cfg.gate_probe:
-            return True
-        return False
+        return plain is None or self.model_rate >= plain or self.since_probe >= self.cfg.gate_probe
 
     def gated_step(self) -> None:
         """A plain step in place of a model draft that does not pay."""

@@ -161,7 +161,7 @@ def ablation_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
     o, plan = spec.options, spec.plan
     out = [("found draft", spec)]
     if plan.n_skipped:
-        out.append(("without skipping", spec.replace(plan=SkipPlan(plan.num_layers, model=plan.model))))
+        out.append(("without skipping", skip_free(spec)))
     if o.weights != "model":
         out.append(("without low precision", spec.replace(options=_options(o, weights="model"))))
     if o.head_tokens:
@@ -179,7 +179,7 @@ def cumulative_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
     """The paper-style ablation: the skip plan alone (the layer-skip papers' draft, at the found k), then
     each lever of the found draft added in turn (the adaptive exit last: it makes the searched draft),
     then the searched draft without skipping. A lever the draft does not use adds no row."""
-    o, n = spec.options, spec.plan.num_layers
+    o = spec.options
     plain = DraftSpec(spec.plan, DraftOptions(), k=spec.k)
     steps = [("skip_only", plain),
              ("plus_low_precision", plain.replace(options=_options(plain.options, weights=o.weights,
@@ -195,8 +195,13 @@ def cumulative_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
             out.append((name, variant))
     out.append(("searched", spec))
     if spec.plan.n_skipped:
-        out.append(("searched_no_skip", spec.replace(plan=SkipPlan(n, model=spec.plan.model))))
+        out.append(("searched_no_skip", skip_free(spec)))
     return out
+
+
+def skip_free(spec: DraftSpec) -> DraftSpec:
+    """The same draft with no sublayer skipped: its options and length policy alone."""
+    return spec.replace(plan=SkipPlan(spec.plan.num_layers, model=spec.plan.model))
 
 
 def _options(o: DraftOptions, **changes) -> DraftOptions:
@@ -370,7 +375,7 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     # the best few, and the best one with no sublayer skipped (its options alone): the cost model can price
     # a skip above what it saves (it did on the 0.5B, results/PERF.md), and only a real run tells
     entries = [(r.spec, r.value, r.trial.user_attrs.get("predicted_acceptance")) for r in tops]
-    twin = tops[0].spec.replace(plan=SkipPlan(tops[0].spec.plan.num_layers, model=tops[0].spec.plan.model))
+    twin = skip_free(tops[0].spec)
     if space.within(twin.plan) and twin.key not in {spec.key for spec, _, _ in entries}:
         p = _predict(sim, costs, twin)
         entries.append((twin, p["decode_speedup"], p["acceptance"]))
