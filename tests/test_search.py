@@ -58,6 +58,16 @@ def test_objective_is_deterministic_for_a_draft(tiny, simulator):
     assert obj(DraftSpec(SkipPlan(4), k=3)).acceptance == 1.0  # fp32: the full model agrees with its own continuation
 
 
+def test_retime_hands_back_the_full_models_continuations(tiny, simulator):
+    from selfspec.search.retime import retime
+
+    spec = DraftSpec(SkipPlan(4, attn=(1,)), DraftOptions(ngram=2), k=2)
+    tokens: list[list[int]] = []
+    (m,) = retime(tiny, PROMPTS, [spec], (), max_new_tokens=12, reps=2, ar_tokens=tokens)
+    assert tokens == simulator.continuations  # AR's greedy tokens on each prompt, first repetition, in order
+    assert m["decode_speedup"] > 0 and len(m["decode_speedup_range"]) == 2
+
+
 def test_predicted_time_formula():
     spec = DraftSpec(SkipPlan(4, attn=(1, 2), mlp=(1,)), DraftOptions(weights="int8", head_tokens=16384), k=3)
     counts = RoundCounts(tokens=20, plain_steps=1, model_rounds=Counter({3: 4, 1: 2}), copy_rounds=Counter({5: 1}),
@@ -191,6 +201,9 @@ def test_cli_end_to_end_with_offline_wandb(tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "best draft" in out and "measured" in out
+    time_line = next(line for line in out.splitlines() if line.startswith("time  "))
+    for stage in ("calibration and cost model", "trials", "re-timing", "held-out check"):
+        assert stage in time_line, time_line
     # the re-timed candidates include the best draft with no sublayer skipped (its options alone)
     retimed = out[out.index("re-timed candidates:"):].splitlines()[1:]
     assert any("(0 of 8 sublayers)" in line for line in retimed if line.startswith("  ")), out

@@ -63,8 +63,8 @@ CALIBRATION_ATTR = "calibration_data"  # the study's calibration: continuations 
 @dataclass(frozen=True)
 class RetimeSettings:
     top_n: int = 3
-    reps: int = 3
-    prompts: int = 2
+    reps: int = 2
+    prompts: int = 4
     max_new_tokens: int = 32
 
     def __post_init__(self) -> None:
@@ -74,7 +74,7 @@ class RetimeSettings:
 @dataclass(frozen=True)
 class HeldoutSettings:
     prompts: int = 4
-    max_new_tokens: int = 32
+    max_new_tokens: int = 128
     reps: int = 2
 
     def __post_init__(self) -> None:
@@ -130,6 +130,7 @@ class SearchReport:
     cost_model_note: str
     candidates: list = field(default_factory=list)
     ablation: list = field(default_factory=list)
+    stages: dict = field(default_factory=dict)  # seconds of each stage of the search, in order
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -208,9 +209,20 @@ def _options(o: DraftOptions, **changes) -> DraftOptions:
     return DraftOptions(**{**asdict(o), **changes})
 
 
-def _predict(sim: RoundSimulator, costs: CostModel, spec: DraftSpec, prompts: int | None = None) -> dict:
-    """Predicted acceptance, tokens per round and decode speedup (over the first ``prompts`` prompts, else all)."""
-    counts = sim.simulate(spec, prompts=range(prompts) if prompts is not None else None)
+def spread(n_items: int, n: int) -> list[int]:
+    """``n`` indices spread evenly over ``n_items`` items (all of them when ``n >= n_items``).
+
+    The search re-times and checks held out on a few prompts: spread over a prompt list made of
+    blocks (the ``tasks`` mix: each set's rows in turn), they sample every block, not the first one.
+    """
+    if n >= n_items:
+        return list(range(n_items))
+    return [i * n_items // n for i in range(n)]
+
+
+def _predict(sim: RoundSimulator, costs: CostModel, spec: DraftSpec, prompts: list[int] | None = None) -> dict:
+    """Predicted acceptance, tokens per round and decode speedup (over the prompts at ``prompts``, else all)."""
+    counts = sim.simulate(spec, prompts=prompts)
     return {"acceptance": counts.acceptance, "tokens_per_round": counts.tokens_per_round,
             "decode_speedup": costs.predicted_speedup(counts, spec)}
 
@@ -236,7 +248,9 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
             on_trial: Callable | None, extra_provenance: dict | None) -> SearchReport | None:
     t_start, started = time.perf_counter(), time.time()
     calib_ids = [encode_prompt(lm.tokenizer, p) for p in prompt_set.calibration]
-    held_ids = [encode_prompt(lm.tokenizer, p) for p in prompt_set.heldout[: s.heldout.prompts]]
+    held = prompt_set.heldout
+    held_ids = [encode_prompt(lm.tokenizer, held[i]) for i in spread(len(held), s.heldout.prompts)]
+    timed_rows = spread(len(calib_ids), s.retime.prompts)
     plans_dir = Path(s.plans_dir)
     study = open_study(storage, s.study_name, lm.name, s.sampler, s.seed + slot, s.prune)
     if study.user_attrs.get("format") is None and study.get_trials(deepcopy=False):
@@ -250,17 +264,21 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
                    f"study {s.study_name!r} was scored by objective {{recorded!r}}, not {s.objective!r}: "
                    "choose another search.study_name")
     enqueue_warm_starts(study, space, [DraftSpec.load(p) for p in s.warm_start])
+    stages, t = {}, time.perf_counter()
     conts, costs, cost_note = _calibration(study, storage, lm, calib_ids, space, s)
+    stages["calibration and cost model"], t = time.perf_counter() - t, time.perf_counter()
     sim = RoundSimulator(lm.model, calib_ids, conts, lm.eos_ids)
     if s.objective == "predicted":
         objective = PredictedObjective(sim, costs, s.batch)
     else:
-        objective = WallclockObjective(lm.model, calib_ids[: s.retime.prompts], lm.eos_ids, s.retime.max_new_tokens)
+        objective = WallclockObjective(lm.model, [calib_ids[i] for i in timed_rows], lm.eos_ids,
+                                       s.retime.max_new_tokens)
     progress = _Progress(s.n_trials, finished(study))
     try:
         run_search(study, space, objective, s.n_trials, lm.name, [progress] + ([on_trial] if on_trial else []))
     finally:
         progress.close()
+    stages["trials"] = time.perf_counter() - t
     fail_dead_trials(study)
     if running_elsewhere(study) or not try_claim(storage, s.study_name, "writing the draft"):
         print(f"[selfspec] worker {slot} done; other workers are still running trials of study "
@@ -272,8 +290,8 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
             print(f"[selfspec] worker {slot} done; {written['by']} wrote the draft to {written['path']}",
                   file=sys.stderr)
             return None
-        report = _finish(lm, prompt_set, s, space, study, sim, costs, cost_note, calib_ids, held_ids, plans_dir,
-                         t_start, extra_provenance)
+        report = _finish(lm, prompt_set, s, space, study, sim, costs, cost_note, calib_ids, timed_rows, held_ids,
+                         plans_dir, t_start, extra_provenance, stages)
         study.set_user_attr("draft_written", {"at": time.time(), "by": WORKER, "path": report.plan_path})
         return report
     finally:
@@ -367,8 +385,10 @@ def _costs_fit(saved: dict, space: SearchSpace) -> bool:
 
 
 def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: SearchSpace, study: optuna.Study,
-            sim: RoundSimulator, costs: CostModel, cost_note: str, calib_ids: list[list[int]],
-            held_ids: list[list[int]], plans_dir: Path, t_start: float, extra_provenance: dict | None) -> SearchReport:
+            sim: RoundSimulator, costs: CostModel, cost_note: str, calib_ids: list[list[int]], timed_rows: list[int],
+            held_ids: list[list[int]], plans_dir: Path, t_start: float, extra_provenance: dict | None,
+            stages: dict[str, float]) -> SearchReport:
+    t = time.perf_counter()
     tops = top_drafts(study, space, s.retime.top_n, lm.name, costs if s.objective == "predicted" else None)
     if not tops:
         raise SelfSpecError("no trial finished within the budget; widen min_skipped/max_skipped or run more trials")
@@ -380,7 +400,8 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
         p = _predict(sim, costs, twin)
         entries.append((twin, p["decode_speedup"], p["acceptance"]))
     # re-time them with real runs, then pick by measured speedup
-    timed = retime(lm.model, calib_ids[: s.retime.prompts], [spec for spec, _, _ in entries], lm.eos_ids,
+    timed_ids = [calib_ids[i] for i in timed_rows]
+    timed = retime(lm.model, timed_ids, [spec for spec, _, _ in entries], lm.eos_ids,
                    s.retime.max_new_tokens, s.retime.reps)
     candidates = [{"draft": spec.describe(), "predicted_speedup": value, "predicted_acceptance": acceptance,
                    "measured_decode_speedup": m["decode_speedup"],
@@ -389,26 +410,27 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
                   for (spec, value, acceptance), m in zip(entries, timed)]
     best_i = max(range(len(entries)), key=lambda i: timed[i]["decode_speedup"])
     best, best_predicted = entries[best_i][0], entries[best_i][1]
-    n_timed = min(s.retime.prompts, len(calib_ids))  # predicted on the prompts that were timed
-    calibration = {"predicted": _predict(sim, costs, best, n_timed), "measured": _subset(timed[best_i])}
+    calibration = {"predicted": _predict(sim, costs, best, timed_rows), "measured": _subset(timed[best_i])}
+    stages["re-timing"], t = time.perf_counter() - t, time.perf_counter()
     heldout = {"predicted": {}, "measured": {}}
     if held_ids:
-        held_conts = [autoregressive(lm.model, p, DecodeConfig(max_new_tokens=s.heldout.max_new_tokens), lm.eos_ids).tokens
-                      for p in held_ids]
-        heldout["predicted"] = _predict(RoundSimulator(lm.model, held_ids, held_conts, lm.eos_ids), costs, best)
+        held_conts: list[list[int]] = []  # the full model's continuations: AR's tokens in the timed runs
         heldout["measured"] = _subset(retime(lm.model, held_ids, [best], lm.eos_ids, s.heldout.max_new_tokens,
-                                             s.heldout.reps)[0])
+                                             s.heldout.reps, ar_tokens=held_conts)[0])
+        heldout["predicted"] = _predict(RoundSimulator(lm.model, held_ids, held_conts, lm.eos_ids), costs, best)
+        stages["held-out check"], t = time.perf_counter() - t, time.perf_counter()
     ablation = []
     if s.ablation:
         variants = ablation_variants(best)
-        measured = retime(lm.model, calib_ids[: s.retime.prompts], [v for _, v in variants], lm.eos_ids,
+        measured = retime(lm.model, timed_ids, [v for _, v in variants], lm.eos_ids,
                           s.retime.max_new_tokens, s.retime.reps)
-        ablation = [{"variant": name, "draft": v.describe(), "predicted": _predict(sim, costs, v, n_timed),
+        ablation = [{"variant": name, "draft": v.describe(), "predicted": _predict(sim, costs, v, timed_rows),
                      "measured": _subset(m)}
                     for (name, v), m in zip(variants, measured)]
+        stages["ablation"] = time.perf_counter() - t
     report = SearchReport(draft=best, predicted_speedup=best_predicted, calibration=calibration, heldout=heldout,
                           trials=finished(study), search_seconds=time.perf_counter() - t_start, plan_path="",
-                          cost_model_note=cost_note, candidates=candidates, ablation=ablation)
+                          cost_model_note=cost_note, candidates=candidates, ablation=ablation, stages=stages)
     prov = provenance({"model": lm.name, "dataset": prompt_set.name, "dtype": lm.info.get("dtype"),
                        "study": s.study_name, "storage": str(s.storage), "objective": s.objective,
                        "cost_model": costs.to_dict(), "cost_model_note": cost_note, **(extra_provenance or {})})
@@ -441,7 +463,9 @@ def format_report(r: SearchReport) -> str:
                 f"(end to end, prefill included: {m['speedup']:.2f}x)")
 
     lines = ["", f"best draft  {r.draft.describe()}", row("calibration", r.calibration), row("held-out", r.heldout),
-             f"trials      {r.trials} in {r.search_seconds:.0f} s; {r.cost_model_note}", "re-timed candidates:"]
+             f"trials      {r.trials}; {r.cost_model_note}",
+             f"time        {r.search_seconds:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in r.stages.items()),
+             "re-timed candidates:"]
     for c in r.candidates:
         lines.append(f"  {c['draft']}: decode speedup predicted {c['predicted_speedup']:.2f}x (all calibration "
                      f"prompts), measured {c['measured_decode_speedup']:.2f}x"

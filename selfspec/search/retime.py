@@ -13,7 +13,7 @@ from selfspec.draft.path import DraftPath
 from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig, autoregressive, self_speculative
-from selfspec.eval.harness import Runner, interleaved, median_of, paired_ratios, speedups
+from selfspec.eval.harness import Runner, interleaved, median_of, paired_ratios, recording, speedups
 from selfspec.search.simulate import decode_config_of
 from selfspec.search.study import Evaluation
 
@@ -38,20 +38,25 @@ def spec_runner(model, eos_ids, spec: DraftSpec, base: DecodeConfig) -> Runner:
     return plan_runner(model, eos_ids, spec.plan, decode_config_of(spec, base), draft=path)
 
 
-def retime(model, prompts, specs: list[DraftSpec], eos_ids, max_new_tokens: int, reps: int) -> list[dict]:
+def retime(model, prompts, specs: list[DraftSpec], eos_ids, max_new_tokens: int, reps: int,
+           ar_tokens: list[list[int]] | None = None) -> list[dict]:
     """AR and each draft on ``prompts``, interleaved after a warm-up; medians over ``reps``.
 
     ``speedup`` is end to end (tokens over total time, the prompt's prefill included);
     ``decode_speedup`` is over the time after each request's first token (TPOT), which is what
     the search predicts. Both are medians over repetitions of the ratio to AR *in the same
     repetition* (drift between repetitions cancels); ``decode_speedup_range`` is the lowest and
-    highest of those ratios.
+    highest of those ratios. ``ar_tokens``, if given, receives AR's tokens on each prompt (the full
+    model's greedy continuations, which the search's prediction replays).
     """
     base = DecodeConfig(max_new_tokens=max_new_tokens, fallback=False)
-    runs = {AR: plan_runner(model, eos_ids, None, base)}
+    outputs: list[list[int]] = []
+    runs = {AR: recording(plan_runner(model, eos_ids, None, base), outputs)}
     for i, spec in enumerate(specs):
         runs[f"draft{i}"] = spec_runner(model, eos_ids, spec, base)
     per_rep = interleaved(runs, prompts, reps, warmup_tokens=4)
+    if ar_tokens is not None:
+        ar_tokens[:] = outputs[: len(prompts)]  # the first repetition's, in prompt order
     speedup = speedups(per_rep, AR)
     ar_tps = median_of(per_rep[AR], "tokens_per_s")
     out = []

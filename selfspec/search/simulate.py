@@ -36,7 +36,7 @@ acceptance is exact, its drafted length an estimate).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -201,7 +201,7 @@ class RoundSimulator:
     def draft_path(self, spec: DraftSpec) -> DraftPath:
         return DraftPath(self.model, spec.plan, spec.options, stop_ids=self.stop_ids)
 
-    def simulate(self, spec: DraftSpec, path: DraftPath | None = None, prompts: range | None = None) -> RoundCounts:
+    def simulate(self, spec: DraftSpec, path: DraftPath | None = None, prompts: Sequence[int] | None = None) -> RoundCounts:
         """Round counts of ``spec`` over the prompts (all of them, or the indices in ``prompts``)."""
         path = path or self.draft_path(spec)
         rows = list(prompts) if prompts is not None else list(range(len(self.prompts)))
