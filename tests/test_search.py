@@ -68,6 +68,24 @@ def test_retime_hands_back_the_full_models_continuations(tiny, simulator):
     assert m["decode_speedup"] > 0 and len(m["decode_speedup_range"]) == 2
 
 
+def test_the_report_says_why_held_out_prompts_ran_slower():
+    from selfspec.search.pipeline import SearchReport, format_report, heldout_gap
+
+    def report(held: dict) -> SearchReport:
+        cal = {"acceptance": 0.66, "tokens_per_round": 3.3, "decode_speedup": 1.72, "speedup": 1.6}
+        return SearchReport(DraftSpec(SkipPlan(4), k=2), 1.7, {"predicted": cal, "measured": cal},
+                            {"predicted": held, "measured": held}, 10, 1.0, "p.json", "cost model measured")
+
+    low = report({"acceptance": 0.39, "tokens_per_round": 2.3, "decode_speedup": 1.37, "speedup": 1.36})
+    line = heldout_gap(low)
+    assert "1.37x against 1.72x" in line and "acceptance 0.39 against 0.66" in line and "agreed" in line
+    assert line in format_report(low)
+    same_acc = report({"acceptance": 0.65, "tokens_per_round": 2.0, "decode_speedup": 1.2, "speedup": 1.2})
+    assert "about the same acceptance" in heldout_gap(same_acc)
+    close = report({"acceptance": 0.6, "tokens_per_round": 3.0, "decode_speedup": 1.6, "speedup": 1.5})
+    assert heldout_gap(close) is None and "note:" not in format_report(close)
+
+
 def test_predicted_time_formula():
     spec = DraftSpec(SkipPlan(4, attn=(1, 2), mlp=(1,)), DraftOptions(weights="int8", head_tokens=16384), k=3)
     counts = RoundCounts(tokens=20, plain_steps=1, model_rounds=Counter({3: 4, 1: 2}), copy_rounds=Counter({5: 1}),

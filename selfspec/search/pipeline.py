@@ -483,4 +483,20 @@ def format_report(r: SearchReport) -> str:
     held = (r.heldout.get("measured") or {}).get("speedup")  # end to end: what a user waits for
     if held is not None and held < 1.0:
         lines.append("note: no real speedup on held-out prompts for this model on this machine (see README).")
+    gap = heldout_gap(r)
+    if gap:
+        lines.append(gap)
     return "\n".join(lines)
+
+
+def heldout_gap(r: SearchReport, margin: float = 0.9) -> str | None:
+    """A plain line on why the held-out prompts ran well below the re-timed ones, if they did."""
+    cal, held = r.calibration.get("measured") or {}, r.heldout.get("measured") or {}
+    if not cal or not held or held["decode_speedup"] >= margin * cal["decode_speedup"]:
+        return None
+    why = ("the draft agreed with the model less often there" if held["acceptance"] < cal["acceptance"] - 0.05
+           else "at about the same acceptance, so the rounds there cost more (shorter copies, other lengths)")
+    return (f"note: held-out prompts ran at {held['decode_speedup']:.2f}x against {cal['decode_speedup']:.2f}x on the "
+            f"re-timed ones: acceptance {held['acceptance']:.2f} against {cal['acceptance']:.2f}, tokens per round "
+            f"{held['tokens_per_round']:.2f} against {cal['tokens_per_round']:.2f}; {why}. Calibration prompts "
+            "closer to what you will run (dataset=<yours>) make the search pick for them.")
