@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 
 import optuna
 import pytest
@@ -98,6 +99,38 @@ def test_predicted_time_formula():
     assert CostModel.from_dict(COSTS.to_dict()) == COSTS
 
 
+def test_a_quantized_draft_head_is_priced_by_its_own_measurement():
+    costs = CostModel.from_dict({**COSTS.to_dict(), "head_low": {"16384/int4-g128": 0.07, "0/int8": 0.02}})
+    cut = DraftSpec(SkipPlan(4), DraftOptions(weights="int4", group_size=128, head_tokens=16384, head_weights="int4"),
+                    k=3)
+    base = 0.1 + 4 * 0.028 + 4 * 0.033
+    assert costs.step_time(cut) == pytest.approx(base - 0.07)  # not the bf16 cut head's 0.05
+    full = DraftSpec(SkipPlan(4), DraftOptions(weights="int8", head_weights="int8"), k=3)
+    assert costs.step_time(full) == pytest.approx(0.1 + 4 * 0.05 + 4 * 0.06 - 0.02)
+    assert CostModel.from_dict(costs.to_dict()) == costs
+    assert CostModel.from_dict({k: v for k, v in COSTS.to_dict().items() if k != "head_low"}) == COSTS  # older studies
+    with pytest.raises(KeyError, match="no draft head 32768/int4-g128"):
+        costs.step_time(cut.replace(options=DraftOptions(weights="int4", group_size=128, head_tokens=32768,
+                                                         head_weights="int4")))
+
+
+def test_the_cost_model_measures_quantized_heads_when_the_space_holds_them(tiny):
+    from selfspec.provenance import machine_fingerprint
+    from selfspec.search.costs import measure_costs
+    from selfspec.search.pipeline import _costs_fit
+
+    space = SearchSpace(4, dims=DraftDims(weights=("model",), head_tokens=(0, 40), head_weights=("model", "int4"),
+                                          group_size=(32,), k=(3,), ngram=(0,), copy_candidates=(1,),
+                                          branch_below=(0.0,)))
+    costs = measure_costs(tiny, PROMPTS[0] * 3, space.dims.formats(), [0, 40], space.dims.longest_verify, reps=1,
+                          machine=machine_fingerprint(), head_formats=space.dims.head_formats())
+    assert set(costs.head_low) == {"0/int4-g32", "40/int4-g32"} and set(costs.head) == {40}
+    assert _costs_fit({"costs": costs.to_dict()}, space)
+    older = {k: v for k, v in costs.to_dict().items() if k != "head_low"}
+    assert not _costs_fit({"costs": older}, space)  # a cost model made before: measured again, not guessed
+    assert _costs_fit({"costs": older}, SearchSpace(4, dims=replace(space.dims, head_weights=("model",))))
+
+
 def test_space_round_trip_and_fixed_dimensions():
     space = SearchSpace(6)
     spec = DraftSpec(SkipPlan(6, attn=(1, 4), mlp=(2,)), DraftOptions(weights="int4", group_size=128, head_tokens=16384,
@@ -110,7 +143,11 @@ def test_space_round_trip_and_fixed_dimensions():
     assert fixed.spec_of(params).options.weights == "model" and fixed.spec_of(params).k == 2
     with pytest.raises(SelfSpecError, match="outside the space"):
         fixed.params_of(DraftSpec(SkipPlan(6), k=5))
-    assert "copy_fallback" not in space.describe()["dims"]  # studies made before it existed still resume
+    assert {"copy_fallback", "head_weights"}.isdisjoint(space.describe()["dims"])  # older studies still resume
+    heads = SearchSpace(6, dims=DraftDims(weights=("int8",), head_weights=("model", "int4"), group_size=(32, 128)))
+    low = DraftSpec(SkipPlan(6), DraftOptions(weights="int8", head_tokens=16384, head_weights="int4", group_size=128))
+    assert heads.spec_of(heads.params_of(low)) == low
+    assert [(o.head_weights, o.group_size) for o in heads.dims.head_formats()] == [("int4", 32), ("int4", 128)]
     wide = SearchSpace(6, dims=DraftDims(ngram=(0, 1, 3), copy_fallback=(0, 1)))
     assert wide.describe()["dims"]["copy_fallback"] == [0, 1]
     tree = DraftSpec(SkipPlan(6, attn=(2,)), DraftOptions(ngram=3, copy_fallback=1), k=2)
@@ -178,6 +215,7 @@ def test_interrupted_search_resumes_with_no_trial_lost(tmp_path, simulator):
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     left = study.ask()  # a trial left RUNNING by a worker on this host that was killed
     left.set_user_attr("worker", f"{socket.gethostname()}:{int(gone.stdout)}")
+    study.ask()  # one asked by a worker killed before its heartbeat started: no worker recorded, none alive
     live = study.ask()  # and one of a live worker (this process): it is left alone
     live.set_user_attr("worker", workers.WORKER)
     resumed = open_study(tmp_path / "s.db", "r", "tiny", "tpe", 0)
@@ -340,6 +378,26 @@ def test_two_workers_share_one_study(tmp_path, storage):
     assert len(unrun) <= 1 and all("not_run" in t.user_attrs for t in unrun)
     assert DraftSpec.load(tmp_path / "plans" / "tiny-llama-default.json").plan.num_layers == 4
     assert optuna.get_all_study_names(study._storage) == ["tiny-llama-default"]  # slots and claims given back
+
+
+def test_an_unmarked_running_trial_lives_while_another_worker_does(tmp_path):
+    """A trial asked but not yet marked by its worker counts as running only while another worker lives."""
+    storage = workers.open_storage(tmp_path / "s.db")
+    study = optuna.create_study(study_name="x", storage=storage)
+    study.ask()
+    assert workers.running_elsewhere(study) == 0  # no other worker: its asker is gone
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with workers.worker_slot(storage, "x"):
+            optuna.load_study(study_name="x~worker-0", storage=storage).set_user_attr(
+                "worker", f"{socket.gethostname()}:{sleeper.pid}")
+            assert workers.running_elsewhere(study) == 1 and workers.fail_dead_trials(study) == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    optuna.create_study(study_name="x~worker-0", storage=storage).set_user_attr(
+        "worker", f"{socket.gethostname()}:{sleeper.pid}")  # a slot its killed holder never gave back
+    assert workers.fail_dead_trials(study) == 1 and workers.running_elsewhere(study) == 0
 
 
 def test_worker_slots_are_distinct_and_given_back(tmp_path):

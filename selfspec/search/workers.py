@@ -200,19 +200,41 @@ def heartbeat(trial: optuna.Trial) -> Iterator[None]:
         thread.join()
 
 
-def _trial_alive(t: optuna.trial.FrozenTrial) -> bool:
+def _other_worker_alive(study: optuna.Study) -> bool:
+    """Whether a worker slot of the study is held by a live process other than this one.
+
+    Slots held from another host count as live (they carry no heartbeat); on this host
+    the holder's pid decides.
+    """
+    prefix = f"{study.study_name}{_MARK}worker-"
+    for s in study._storage.get_all_studies():
+        if s.study_name.startswith(prefix) and s.user_attrs.get("worker") != WORKER:
+            if _holder_alive(dict(s.user_attrs), stale_after=float("inf")):
+                return True
+    return False
+
+
+def _trial_alive(t: optuna.trial.FrozenTrial, others: bool) -> bool:
+    """Whether ``t``'s worker still runs; ``others``: whether any other worker does."""
     attrs = dict(t.user_attrs)
     if "worker" not in attrs and t.datetime_start is not None:
-        attrs["since"] = t.datetime_start.timestamp()  # asked but not yet started, or an older selfspec's
-        return time.time() - attrs["since"] < STALE_AFTER_S
+        # asked but not yet started (its worker is between ask and heartbeat), or an older
+        # selfspec's: alive only while some other worker lives, and for STALE_AFTER_S at most
+        return others and time.time() - t.datetime_start.timestamp() < STALE_AFTER_S
     return _holder_alive(attrs)
+
+
+def _running(study: optuna.Study) -> list[tuple[optuna.trial.FrozenTrial, bool]]:
+    trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    others = bool(trials) and _other_worker_alive(study)
+    return [(t, _trial_alive(t, others)) for t in trials]
 
 
 def fail_dead_trials(study: optuna.Study) -> int:
     """Mark failed the running trials whose worker is gone; return how many."""
     n = 0
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if not _trial_alive(t):
+    for t, alive in _running(study):
+        if not alive:
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             n += 1
     return n
@@ -220,5 +242,4 @@ def fail_dead_trials(study: optuna.Study) -> int:
 
 def running_elsewhere(study: optuna.Study, below: int | None = None) -> int:
     """Running trials of live workers (only those numbered below ``below`` when given)."""
-    return sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-               if (below is None or t.number < below) and _trial_alive(t))
+    return sum(1 for t, alive in _running(study) if alive and (below is None or t.number < below))
