@@ -25,6 +25,8 @@ PLAN = SkipPlan(4, attn=(1,), mlp=(2,))
     DraftOptions(head_tokens=40),
     DraftOptions(ngram=2),
     DraftOptions(weights="int8", head_tokens=40, ngram=1),
+    DraftOptions(weights="int4", head_tokens=40, head_weights="int4"),
+    DraftOptions(head_weights="int8"),
 ])
 def test_greedy_output_is_exact_with_every_draft_option(arch, options):
     model = tiny_model(arch, vocab_size=96)  # a fresh model: the draft path wraps modules in place
@@ -84,6 +86,36 @@ def test_quantized_linear_matches_dequantized_weights(weights, tol):
     assert ((got - ref).norm() / ref.norm()) < tol
     q.active = False
     assert torch.equal(q(x), lin(x))
+
+
+@pytest.mark.parametrize("weights,tol", [("int8", 0.02), ("int4", 0.15)])
+def test_a_quantized_draft_head_scores_its_base_low_and_the_prompt_in_bf16(weights, tol):
+    model = tiny_model("qwen2", vocab_size=96).to(torch.bfloat16)
+    head = model.get_output_embeddings()
+    x = torch.randn(2, head.in_features, dtype=torch.bfloat16)
+    ref = head(x).float()
+    prompt = torch.tensor([50, 70, 3, 70])
+    cut = DraftPath(model, PLAN, DraftOptions(head_tokens=40, head_weights=weights, group_size=32), stop_ids=(2, 90))
+    cut.prepare(prompt)
+    out = model.get_output_embeddings()
+    assert out.low is not None and out.low[3].shape[0] % 16 == 0  # 41 base rows padded for the int4 kernel
+    with cut.drafting():
+        got = out(x).float()
+    base = list(range(40)) + [90]
+    assert ((got[:, base] - ref[:, base]).norm() / ref[:, base].norm()) < tol
+    assert torch.equal(got[:, [50, 70]], ref[:, [50, 70]])  # the prompt's own ids: bf16 rows, exact
+    assert torch.isinf(got[:, [41, 60, 95]]).all()
+    assert torch.equal(out(x).float(), ref)  # outside drafting: the model's head
+    full = DraftPath(model, PLAN, DraftOptions(head_weights=weights, group_size=32), stop_ids=(2,))
+    full.prepare(prompt)  # the same head, switched to the whole vocabulary
+    with full.drafting():
+        got = out(x).float()
+    assert got.shape == ref.shape and ((got - ref).norm() / ref.norm()) < tol
+    assert full.extra_bytes > 0
+    assert "head_weights" not in DraftOptions(head_tokens=40).record()  # older runs' records stay as they were
+    assert DraftOptions(head_weights="int4").record()["head_weights"] == "int4"
+    with pytest.raises(SelfSpecError, match="head_weights"):
+        DraftOptions(head_weights="fp8")
 
 
 def test_copy_drafts_longer_than_k_stay_exact():

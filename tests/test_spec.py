@@ -21,6 +21,18 @@ def test_round_trip(tmp_path):
     assert json.loads(path.read_text())["format"] == "selfspec.draft/2"
 
 
+def test_a_quantized_draft_head_round_trips_and_names_itself(tmp_path):
+    spec = FULL.replace(options=DraftOptions(weights="int4", group_size=128, head_tokens=16384, head_weights="int4"))
+    back = DraftSpec.load(spec.save(tmp_path / "d.json"))
+    assert back == spec and back.key != FULL.replace(options=DraftOptions(weights="int4", group_size=128,
+                                                                        head_tokens=16384)).key
+    assert "head 16384 int4 g128" in back.describe()
+    assert "head full int8" in FULL.replace(options=DraftOptions(head_weights="int8")).describe()
+    old = FULL.to_dict()
+    del old["options"]["head_weights"]  # a file written before the option existed
+    assert DraftSpec.from_dict(old).options.head_weights == "model"
+
+
 def test_an_older_skip_plan_file_loads_as_a_draft(tmp_path):
     path = SkipPlan(6, attn=(2,), provenance={"k": 3}).save(tmp_path / "p.json")
     spec = DraftSpec.load(path)

@@ -1,15 +1,28 @@
-"""A cut LM head for drafting: score only a chosen set of token ids.
+"""The draft's LM head: a cut set of token ids, and/or a weight-only quantized copy.
 
 The full head of a 150k-token vocabulary costs as much as a few decoder
 layers. :class:`CutHead` wraps the model's output embedding in place; while
 ``active`` it computes logits for the chosen ids only (``-inf`` elsewhere);
 otherwise it is the wrapped head.
+
+With a precision other than ``model`` (:meth:`CutHead.copy_for`), the head's
+*base* ids (the same for every request: the most frequent ids and the stop
+ids, or the whole vocabulary) are scored through an int8/int4 copy of their
+rows, quantized once per format and base and kept, as the kept linears' copies
+are (:mod:`selfspec.draft.lowbit`); a request's own extra ids (its prompt's
+tokens outside the base) stay on bf16 rows gathered per request. Quantizing
+per request would cost more than it saves: on the 1.5B, 1.2 s for 32k int4
+rows, against 5.7 ms (bf16) and 1.7 ms (int4) for that head per draft step
+(``scripts/draft_heads.py``, ``results/PERF.md``).
+Verification never uses any of this: outside ``active`` the wrapped head runs.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from selfspec.draft.lowbit import quantize, quantized_mm
 
 
 class CutHead(nn.Module):
@@ -18,22 +31,59 @@ class CutHead(nn.Module):
     def __init__(self, inner: nn.Linear) -> None:
         super().__init__()
         self.inner = inner
-        self.ids: torch.Tensor | None = None
+        self.ids: torch.Tensor | None = None  # ids scored on bf16 rows (all chosen ids, or those outside the base)
         self.rows: torch.Tensor | None = None
         self.active = False
+        # the quantized base: (kind, group, base ids, packed weight, scales), and every one made so far
+        self.low: tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.copies: dict[tuple, tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def weight(self) -> torch.Tensor:
         return self.inner.weight
 
-    def choose(self, ids: torch.Tensor) -> None:
+    @property
+    def vocab(self) -> int:
+        return self.inner.out_features
+
+    def copy_for(self, base: torch.Tensor, weights: str, group_size: int) -> tuple | None:
+        """The ``weights`` copy (int8 | int4) of the ``base`` rows (sorted unique ids), made on first use and
+        kept for every draft path with the same base and format; None for ``model``.
+        Returns (kind, group, base ids, packed weight, scales)."""
+        if weights == "model":
+            return None
+        key = (weights, group_size if weights == "int4" else 0, base.cpu().numpy().tobytes())
+        if key not in self.copies:
+            w = self.inner.weight.detach()
+            rows = w if base.numel() == self.vocab else w.index_select(0, base.to(w.device))
+            pad = -rows.shape[0] % 16  # the int4 kernel packs output rows in blocks of 16: zero rows, cut off again
+            if pad:
+                rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+            self.copies[key] = (weights, key[1], base.to(w.device), *quantize(rows.contiguous(), weights, group_size))
+        return self.copies[key]
+
+    def choose(self, ids: torch.Tensor, low: tuple | None = None) -> None:
+        """What this request's draft scores: ``ids``, with ``low`` (a :meth:`copy_for` copy) scoring its base
+        ids through quantized rows and only the other ids on bf16 rows."""
+        self.low = low
+        if low is not None:
+            base = low[2]
+            ids = ids[~torch.isin(ids.to(base.device), base)]
         self.ids = ids
         self.rows = self.inner.weight.detach().index_select(0, ids).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.active or self.ids is None:
+        if not self.active or (self.ids is None and self.low is None):
             return self.inner(x)
-        sub = torch.nn.functional.linear(x, self.rows)
-        out = x.new_full((*x.shape[:-1], self.inner.out_features), float("-inf"))
-        out[..., self.ids] = sub
+        if self.low is not None:
+            kind, group, base, qweight, qscale = self.low
+            low = quantized_mm(x.reshape(-1, x.shape[-1]), kind, group, qweight, qscale)[:, :base.numel()]
+            low = low.reshape(*x.shape[:-1], base.numel())
+            if base.numel() == self.vocab:
+                return low
+        out = x.new_full((*x.shape[:-1], self.vocab), float("-inf"))
+        if self.low is not None:
+            out[..., base] = low
+        if self.ids is not None and self.ids.numel():
+            out[..., self.ids] = torch.nn.functional.linear(x, self.rows)
         return out

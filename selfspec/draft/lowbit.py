@@ -40,6 +40,18 @@ def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
     return packed, sz
 
 
+def quantize(w: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight-only quantized copy of ``w`` ``[out, in]``: (packed weight, scales) for :func:`quantized_mm`."""
+    return _quantize_int8(w) if kind == "int8" else _quantize_int4(w, group)
+
+
+def quantized_mm(x2: torch.Tensor, kind: str, group: int, qweight: torch.Tensor, qscale: torch.Tensor) -> torch.Tensor:
+    """``x2 @ w.T`` for a 2-D ``x2`` through the copy :func:`quantize` made (no bias)."""
+    if kind == "int8":
+        return torch.ops.aten._weight_int8pack_mm(x2, qweight, qscale)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight, group, qscale)
+
+
 class LowPrecisionLinear(LinearWrapper):
     """An ``nn.Linear`` (or its PackedLinear) with a weight-only quantized copy used while ``active``.
 
@@ -59,7 +71,7 @@ class LowPrecisionLinear(LinearWrapper):
         key = (weights, 0 if weights == "int8" else group_size)
         if key not in self.copies:
             w = self.inner.weight.detach()
-            self.copies[key] = _quantize_int8(w) if weights == "int8" else _quantize_int4(w, group_size)
+            self.copies[key] = quantize(w, weights, group_size)
         self.kind, self.group = key
         self.qweight, self.qscale = self.copies[key]
 
@@ -77,10 +89,7 @@ class LowPrecisionLinear(LinearWrapper):
             return self.inner(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.kind == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.qscale)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.qscale)
+        y = quantized_mm(x2, self.kind, self.group, self.qweight, self.qscale)
         if self.inner.bias is not None:
             y = y + self.inner.bias
         return y.reshape(*shape[:-1], self.out_features)

@@ -15,6 +15,9 @@ second model and without touching what verification computes:
   lowest ids, which byte-pair merge order makes the most frequent ones, plus
   the prompt's own tokens and the stop tokens); the others get ``-inf``.
   The full head of a 150k-token vocabulary costs as much as a few layers.
+- ``head_weights: int8 | int4``: the draft head (cut or full) scores its base
+  ids through a quantized copy of their rows (:mod:`selfspec.draft.head`);
+  ``model`` (the default) keeps them in the model's precision.
 - ``ngram: n``: when the last n tokens occurred earlier in the context, the
   round drafts by copying what followed them (prompt lookup, :class:`NGramIndex`),
   up to ``copy_tokens`` tokens (default: k), and runs no draft forward at all.
@@ -50,6 +53,7 @@ class DraftOptions:
     weights: str = "model"  # model | int8 | int4: precision of the kept linears while drafting
     group_size: int = 32  # int4 quantization group (along the input dimension)
     head_tokens: int = 0  # 0 = the full LM head while drafting; N = N token ids + prompt + stop tokens
+    head_weights: str = "model"  # model | int8 | int4 (group_size): precision of the draft head's rows
     ngram: int = 0  # 0 = off; n >= 1: draft by copying what followed the last n tokens in the context
     copy_tokens: int = 0  # longest copy draft; 0 = k, like the layer-skip draft
     # draft trees (greedy decoding only; selfspec.engine.tree): several candidates in one verify forward
@@ -63,6 +67,8 @@ class DraftOptions:
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
             raise SelfSpecError(f"draft weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.head_weights not in WEIGHTS:
+            raise SelfSpecError(f"head_weights must be one of {', '.join(WEIGHTS)}, got {self.head_weights!r}")
         if self.head_tokens < 0 or self.ngram < 0 or self.copy_tokens < 0:
             raise SelfSpecError("head_tokens, ngram and copy_tokens must be >= 0")
         if self.copy_candidates < 1 or self.tree_nodes < 1:
@@ -72,12 +78,12 @@ class DraftOptions:
         if self.copy_fallback and not 0 < self.copy_fallback < self.ngram:
             raise SelfSpecError(f"copy_fallback must be between 1 and ngram-1 (ngram={self.ngram}), "
                                 f"got {self.copy_fallback}")
-        if self.weights == "int4" and self.group_size not in (32, 64, 128, 256):
+        if "int4" in (self.weights, self.head_weights) and self.group_size not in (32, 64, 128, 256):
             raise SelfSpecError(f"int4 group_size must be 32, 64, 128 or 256, got {self.group_size}")
 
     @property
     def plain(self) -> bool:
-        return self.weights == "model" and self.head_tokens == 0
+        return self.weights == "model" and self.head_tokens == 0 and self.head_weights == "model"
 
     @property
     def tree(self) -> bool:
@@ -87,12 +93,14 @@ class DraftOptions:
     def record(self) -> dict | None:
         """The options as a run records them (None for the plan-only draft).
 
-        ``copy_tokens``, ``copy_fallback`` and the tree options appear only when set, so runs recorded
-        before they existed still resume.
+        ``copy_tokens``, ``copy_fallback``, ``head_weights`` and the tree options appear only when set, so
+        runs recorded before they existed still resume.
         """
         if self.plain and not self.ngram and not self.tree:
             return None
         rec = asdict(self)
+        if self.head_weights == "model":
+            del rec["head_weights"]
         if not self.copy_tokens:
             del rec["copy_tokens"]
         if not self.copy_fallback:
@@ -123,15 +131,20 @@ class DraftPath:
                         self.linears += wrap_linears(sub.inner, options.weights, options.group_size)
         self.head: CutHead | None = None
         self.base_ids: torch.Tensor | None = None
-        if options.head_tokens:
+        self.head_low: tuple | None = None  # the quantized copy of the head's base rows (head_weights)
+        if options.head_tokens or options.head_weights != "model":
+            if options.head_weights != "model" and next(model.parameters()).device.type != "cpu":
+                raise SelfSpecError("int8/int4 draft heads use CPU kernels; use head_weights=model on other devices")
             head = model.get_output_embeddings()
             if not isinstance(head, CutHead):
                 head = CutHead(head)
                 model.set_output_embeddings(head)  # the model's own setter: the head may sit anywhere
             self.head = head
             vocab = head.inner.out_features
-            base = set(range(min(options.head_tokens, vocab))) | {int(i) for i in stop_ids if 0 <= int(i) < vocab}
+            n = min(options.head_tokens or vocab, vocab)
+            base = set(range(n)) | {int(i) for i in stop_ids if 0 <= int(i) < vocab}
             self.base_ids = torch.tensor(sorted(base), dtype=torch.long)
+            self.head_low = head.copy_for(self.base_ids, options.head_weights, options.group_size)
 
     @property
     def extra_bytes(self) -> int:
@@ -142,9 +155,12 @@ class DraftPath:
         """
         head = 0
         if self.head is not None:
-            w = self.head.inner.weight
-            rows = self.head.rows.shape[0] if self.head.rows is not None else self.base_ids.numel()
-            head = rows * w.shape[1] * w.element_size()
+            w, rows, low = self.head.inner.weight, self.head.rows, self.head_low
+            if low is None:
+                head = (rows.shape[0] if rows is not None else self.base_ids.numel()) * w.shape[1] * w.element_size()
+            else:  # the quantized base rows, and a request's extra ids in bf16
+                head = sum(t.numel() * t.element_size() for t in low[3:]) + (0 if rows is None else
+                                                                             rows.numel() * rows.element_size())
         return sum(lin.extra_bytes for lin in self.linears) + head
 
     def head_ids(self, prompt: torch.Tensor) -> torch.Tensor:
@@ -154,7 +170,11 @@ class DraftPath:
     def prepare(self, prompt: torch.Tensor) -> None:
         """Per request: the cut head also scores the prompt's tokens (copying them is common)."""
         if self.head is not None:
-            self.head.choose(self.head_ids(prompt))
+            self.choose_head(self.head_ids(prompt))
+
+    def choose_head(self, ids: torch.Tensor) -> None:
+        """The draft head scores ``ids`` (in this path's head precision; the head may be shared with other paths)."""
+        self.head.choose(ids, self.head_low)
 
     @contextmanager
     def drafting(self) -> Iterator[None]:

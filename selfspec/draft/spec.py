@@ -49,15 +49,18 @@ class DraftSpec:
                 o.head_tokens, o.ngram, o.copy_tokens if o.ngram else 0, self.k, self.adaptive,
                 round(self.threshold, 3) if self.adaptive else None,
                 (o.copy_candidates if o.ngram else 1, round(o.branch_below, 3), o.tree_nodes, o.copy_fallback)
-                if o.tree else None)
+                if o.tree else None) + ((o.head_weights, o.group_size if o.head_weights == "int4" else 0)
+                                    if o.head_weights != "model" else ())
 
     def describe(self) -> str:
         o = self.options
         parts = [self.plan.describe()]
         if o.weights != "model":
             parts.append(f"{o.weights}" + (f" g{o.group_size}" if o.weights == "int4" else ""))
-        if o.head_tokens:
-            parts.append(f"head {o.head_tokens}")
+        if o.head_tokens or o.head_weights != "model":
+            low = "" if o.head_weights == "model" else f" {o.head_weights}" + (
+                f" g{o.group_size}" if o.head_weights == "int4" else "")
+            parts.append(f"head {o.head_tokens or 'full'}{low}")
         if o.ngram:
             parts.append(f"{o.ngram}-gram copy" + (f" up to {o.copy_tokens}" if o.copy_tokens else ""))
         if o.tree:

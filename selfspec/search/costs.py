@@ -9,7 +9,9 @@ round counts). Measured, all on the weights decoding uses (packed bf16):
 - ``t_verify[m]``: a full-depth forward over ``m`` tokens (verifying ``m-1`` drafts);
 - per draft weight format (``model``, ``int8``, ``int4-g32``, ...): a one-token
   draft forward as ``base + kept attention x attn + kept MLP x mlp``;
-- per draft head size ``N``: what scoring N token ids instead of all saves (``head``).
+- per draft head size ``N``: what scoring N token ids instead of all saves (``head``);
+- per draft head size and quantized head format (``"<N>/<format>"``, N = 0 for the whole vocabulary):
+  what that head saves over the model-precision full head (``head_low``).
 
 A draft round with ``m`` tokens drafted costs ``m x t_step + t_verify[m+1]``, a
 copy round ``t_verify[m+1]``, a draft-tree round of ``nodes`` nodes ``m x t_step + t_verify[nodes+1]``
@@ -42,6 +44,12 @@ def weight_format(options: DraftOptions) -> str:
     return f"int4-g{options.group_size}" if options.weights == "int4" else options.weights
 
 
+def head_format(options: DraftOptions) -> str:
+    """The cost model's key of a quantized draft head (``head_low``)."""
+    w = options.head_weights
+    return f"{options.head_tokens}/" + (f"int4-g{options.group_size}" if w == "int4" else w)
+
+
 @dataclass
 class SublayerCosts:
     base: float  # embedding, norms, head and overhead of a one-token forward
@@ -56,6 +64,7 @@ class CostModel:
     num_layers: int
     draft: dict[str, SublayerCosts] = field(default_factory=dict)  # weight format -> costs
     head: dict[int, float] = field(default_factory=dict)  # draft head tokens -> seconds saved (<= 0 added)
+    head_low: dict[str, float] = field(default_factory=dict)  # head_format() -> seconds saved over the full head
     machine: dict = field(default_factory=dict)
     # what a step costs inside the decoding loop beyond the raw forward timed above (bookkeeping, argmax,
     # the adaptive exit's softmax, the kernels' behaviour in the loop), from short real runs: per plain
@@ -73,7 +82,12 @@ class CostModel:
             raise KeyError(f"the cost model has no draft weights {fmt}; measured: {sorted(self.draft)}")
         c, n, plan = self.draft[fmt], self.num_layers, spec.plan
         t = c.base + (n - len(plan.attn)) * c.attn + (n - len(plan.mlp)) * c.mlp
-        if spec.options.head_tokens:
+        if spec.options.head_weights != "model":
+            key = head_format(spec.options)
+            if key not in self.head_low:
+                raise KeyError(f"the cost model has no draft head {key}; measured: {sorted(self.head_low)}")
+            t -= self.head_low[key]
+        elif spec.options.head_tokens:
             t -= self.head[spec.options.head_tokens]
         return max(t, 1e-9)
 
@@ -111,15 +125,19 @@ class CostModel:
     def from_dict(cls, d: dict) -> CostModel:
         return cls(d["t_full"], {int(k): v for k, v in d["t_verify"].items()}, d["num_layers"],
                    {k: SublayerCosts(**v) for k, v in d.get("draft", {}).items()},
-                   {int(k): v for k, v in d.get("head", {}).items()}, d.get("machine", {}), d.get("overhead", {}))
+                   {int(k): v for k, v in d.get("head", {}).items()}, dict(d.get("head_low", {})), d.get("machine", {}),
+                   d.get("overhead", {}))
 
 
 def measure_costs(model, context: list[int], formats: list[DraftOptions], head_tokens: list[int],
-                  max_verify: int, reps: int = 7, stop_ids=(), machine: dict | None = None) -> CostModel:
+                  max_verify: int, reps: int = 7, stop_ids=(), machine: dict | None = None,
+                  head_formats: list[DraftOptions] = ()) -> CostModel:
     """Time every forward the cost model needs, round-robin (so load changes hit all alike), medians.
 
     ``formats``: one :class:`DraftOptions` per draft weight format to cost; ``head_tokens``:
-    the draft head sizes to cost; ``max_verify``: the longest verify forward (tokens).
+    the draft head sizes to cost; ``head_formats``: quantized head formats (``head_weights``,
+    ``group_size``) to cost at each of those sizes and the full head; ``max_verify``: the longest
+    verify forward (tokens).
     """
     n = num_layers(model)
     device = next(model.parameters()).device
@@ -142,6 +160,10 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
         if size:
             paths[f"head{size}"] = DraftPath(model, full, DraftOptions(head_tokens=size), stop_ids=stop_ids)
     paths["head0"] = DraftPath(model, full, DraftOptions(), stop_ids=stop_ids)
+    lows = [DraftOptions(head_tokens=size, head_weights=o.head_weights, group_size=o.group_size)
+            for o in head_formats for size in sorted({0, *head_tokens})]
+    for opts in lows:
+        paths[f"head{head_format(opts)}"] = DraftPath(model, full, opts, stop_ids=stop_ids)
     for name, path in paths.items():
         path.prepare(tokens)
         configs[name] = (1, path.drafting)
@@ -164,8 +186,10 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
         attn, mlp = max(t_all - t_no_attn, 0.0) / n, max(t_all - t_no_mlp, 0.0) / n
         draft[fmt] = SublayerCosts(base=max(t_all - n * (attn + mlp), 0.0), attn=attn, mlp=mlp)
     head = {size: med["head0"] - med[f"head{size}"] for size in head_tokens if size}
+    head_low = {head_format(o): med["head0"] - med[f"head{head_format(o)}"] for o in lows}
     verify = {m: med[f"verify{m}"] for m in range(2, max_verify + 1)}
-    costs = CostModel(t_full=med["full"], t_verify=verify, num_layers=n, draft=draft, head=head, machine=machine or {})
+    costs = CostModel(t_full=med["full"], t_verify=verify, num_layers=n, draft=draft, head=head, head_low=head_low,
+                      machine=machine or {})
     costs.overhead = loop_overheads(model, ctx[: max(len(ctx) // 2, 1)], costs, formats, stop_ids,
                                     reps=max(reps // 2, 2))
     return costs

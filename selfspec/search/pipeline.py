@@ -16,7 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import optuna
@@ -31,7 +31,7 @@ from selfspec.engine.decoding import DecodeConfig, autoregressive
 from selfspec.errors import SelfSpecError
 from selfspec.locks import check_writable
 from selfspec.provenance import machine_fingerprint, provenance
-from selfspec.search.costs import CostModel, measure_costs, weight_format
+from selfspec.search.costs import CostModel, head_format, measure_costs, weight_format
 from selfspec.search.retime import WallclockObjective, retime
 from selfspec.search.simulate import RoundSimulator
 from selfspec.search.space import DraftDims, SearchSpace
@@ -167,6 +167,8 @@ def ablation_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
         out.append(("without low precision", spec.replace(options=_options(o, weights="model"))))
     if o.head_tokens:
         out.append(("without the cut head", spec.replace(options=_options(o, head_tokens=0))))
+    if o.head_weights != "model":
+        out.append(("without the quantized head", spec.replace(options=_options(o, head_weights="model"))))
     if o.ngram:
         out.append(("without copy drafting", spec.replace(options=_options(o, ngram=0, copy_tokens=0))))
     if o.tree:
@@ -327,7 +329,8 @@ def _calibration(study: optuna.Study, storage, lm: LoadedModel, calib_ids: list[
             print("[selfspec] measuring the cost model on this machine", file=sys.stderr)
             context = calib_ids[0] + saved["continuations"][0]
             costs = measure_costs(lm.model, context, space.dims.formats(), sorted(set(space.dims.head_tokens)),
-                                  space.dims.longest_verify, s.cost_reps, lm.eos_ids, machine_fingerprint())
+                                  space.dims.longest_verify, s.cost_reps, lm.eos_ids, machine_fingerprint(),
+                                  space.dims.head_formats())
             saved["costs"] = costs.to_dict()
             if old is not None and old.machine != costs.machine:
                 note["remeasured"] = old.machine
@@ -379,8 +382,10 @@ def _costs_fit(saved: dict, space: SearchSpace) -> bool:
     old = CostModel.from_dict(saved["costs"])
     fmts = {weight_format(f) for f in space.dims.formats()}
     heads = {h for h in space.dims.head_tokens if h}
+    lows = {head_format(replace(f, head_tokens=h)) for f in space.dims.head_formats() for h in {0, *heads}}
     return (old.machine == machine_fingerprint() and fmts <= set(old.draft)
             and {f"draft_step/{f}" for f in fmts} <= set(old.overhead) and heads <= set(old.head)
+            and lows <= set(old.head_low)
             and max(old.t_verify) >= space.dims.longest_verify)
 
 

@@ -239,7 +239,7 @@ class RoundSimulator:
         if path.head is None:
             return None
         own = {b: path.head_ids(self._tensor(self.prompts[b])) for b in rows}
-        path.head.choose(torch.cat(list(own.values())).unique())
+        path.choose_head(torch.cat(list(own.values())).unique())
         masks = {}
         for b, ids in own.items():
             outside = torch.ones(path.head.inner.out_features, dtype=torch.bool, device=self.device)

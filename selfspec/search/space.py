@@ -30,6 +30,7 @@ class DraftDims:
     weights: tuple[str, ...] = ("model", "int8", "int4")
     group_size: tuple[int, ...] = (32, 128)  # int4 groups; 32 lines up with the GGUF blocks of the packaged models
     head_tokens: tuple[int, ...] = (0, 16384, 32768)
+    head_weights: tuple[str, ...] = ("model",)  # the draft head's rows: model | int8 | int4 (int4: group_size)
     k: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
     adaptive: tuple[bool, ...] = (False, True)
     threshold: tuple[float, ...] = (0.2, 0.4, 0.6)
@@ -41,13 +42,14 @@ class DraftDims:
     copy_fallback: tuple[int, ...] = (0,)  # draft trees: m-gram copies beside a model draft (m < ngram; 0 = off)
 
     def __post_init__(self) -> None:
-        for name in ("weights", "group_size", "head_tokens", "k", "adaptive", "threshold", "ngram", "copy_tokens",
+        for name in ("weights", "group_size", "head_tokens", "head_weights", "k", "adaptive", "threshold", "ngram", "copy_tokens",
                      "copy_candidates", "branch_below", "tree_nodes", "copy_fallback"):
             if not getattr(self, name):
                 raise SelfSpecError(f"search.space.{name} is empty: give at least one value")
-        bad = [w for w in self.weights if w not in WEIGHTS]
-        if bad:
-            raise SelfSpecError(f"search.space.weights: unknown {bad}; choose from {', '.join(WEIGHTS)}")
+        for name in ("weights", "head_weights"):
+            bad = [w for w in getattr(self, name) if w not in WEIGHTS]
+            if bad:
+                raise SelfSpecError(f"search.space.{name}: unknown {bad}; choose from {', '.join(WEIGHTS)}")
         for name in ("k", "copy_candidates", "tree_nodes"):
             if min(getattr(self, name)) < 1:
                 raise SelfSpecError(f"search.space.{name} values must be >= 1")
@@ -67,6 +69,11 @@ class DraftDims:
             for g in (self.group_size if w == "int4" else (32,)):
                 out.append(DraftOptions(weights=w, group_size=g))
         return out
+
+    def head_formats(self) -> list[DraftOptions]:
+        """One DraftOptions per quantized draft head format in the space (int4 once per group size)."""
+        return [DraftOptions(head_weights=w, group_size=g) for w in self.head_weights if w != "model"
+                for g in (self.group_size if w == "int4" else (32,))]
 
 
 @dataclass(frozen=True)
@@ -106,13 +113,15 @@ class SearchSpace:
         """What the study pins: a resumed study refuses another space."""
         return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
                 "protect_first_last": self.protect_first_last,
-                # copy_fallback only when searched, so studies made before it existed still resume
-                "dims": {k: list(v) for k, v in asdict(self.dims).items() if k != "copy_fallback" or v != (0,)}}
+                # copy_fallback and head_weights only when searched, so studies made before them still resume
+                "dims": {k: list(v) for k, v in asdict(self.dims).items()
+                         if (k, v) not in (("copy_fallback", (0,)), ("head_weights", ("model",)))}}
 
     # -- params <-> drafts -------------------------------------------------------------
     def _option_dims(self) -> dict[str, tuple]:
         d = self.dims
-        return {"weights": d.weights, "group_size": d.group_size, "head_tokens": d.head_tokens, "k": d.k,
+        return {"weights": d.weights, "group_size": d.group_size, "head_tokens": d.head_tokens,
+                "head_weights": d.head_weights, "k": d.k,
                 "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens,
                 "copy_candidates": d.copy_candidates, "branch_below": d.branch_below, "tree_nodes": d.tree_nodes,
                 "copy_fallback": d.copy_fallback}
@@ -121,11 +130,13 @@ class SearchSpace:
         params = {**{f"attn_{i}": int(i in spec.plan.attn) for i in self.searchable},
                   **{f"mlp_{i}": int(i in spec.plan.mlp) for i in self.searchable}}
         o = spec.options
-        values = {"weights": o.weights, "group_size": o.group_size, "head_tokens": o.head_tokens, "k": spec.k,
+        values = {"weights": o.weights, "group_size": o.group_size, "head_tokens": o.head_tokens,
+                  "head_weights": o.head_weights, "k": spec.k,
                   "adaptive": spec.adaptive, "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
                   "copy_candidates": o.copy_candidates, "branch_below": o.branch_below, "tree_nodes": o.tree_nodes,
                   "copy_fallback": o.copy_fallback}
-        unused = {"group_size": o.weights != "int4", "threshold": not spec.adaptive, "copy_tokens": not o.ngram,
+        unused = {"group_size": "int4" not in (o.weights, o.head_weights), "threshold": not spec.adaptive,
+                  "copy_tokens": not o.ngram,
                   "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2}
         for name, choices in self._option_dims().items():
             if unused.get(name):  # a value the draft does not use: any of the space's will do
@@ -142,6 +153,7 @@ class SearchSpace:
         mlp = tuple(i for i in self.searchable if params.get(f"mlp_{i}"))
         v = {name: params.get(name, choices[0]) for name, choices in self._option_dims().items()}
         options = DraftOptions(weights=v["weights"], group_size=v["group_size"], head_tokens=v["head_tokens"],
+                               head_weights=v["head_weights"],
                                ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0,
                                copy_candidates=v["copy_candidates"] if v["ngram"] else 1,
                                branch_below=v["branch_below"],
