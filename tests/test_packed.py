@@ -219,3 +219,39 @@ def test_transformers_methods_sample_with_the_runs_settings_and_seed():
         for only_top in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
             top = build_method(name, lm, replace(hot, sampling=only_top), options=options).generate(ids)
             assert top.tokens == greedy  # the filters reach generate(): keeping one token is greedy
+
+
+def test_assisted_and_early_exit_take_their_draft_length_for_each_call_only():
+    from selfspec.assets.models import load_model
+
+    lm = load_model("tiny-llama", dtype="bfloat16")
+    cfg = DecodeConfig(max_new_tokens=24)
+    ids = PROMPT + PROMPT
+    want = build_method("autoregressive", lm, cfg).generate(ids).tokens
+    length = {"num_tokens": 3, "schedule": "heuristic_transient", "confidence": 0.0}
+    config = lm.model.generation_config
+    before = (config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold)
+    seen = []
+    hook = lm.model.register_forward_hook(lambda *_: seen.append(
+        (config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold)))
+    early = build_method("hf_early_exit", lm, cfg, options={"exit_layer": 2, **length})
+    assert early.generate(ids).tokens == want
+    hook.remove()
+    assert set(seen) == {(3, "heuristic_transient", 0.0)}  # set while it ran ...
+    assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule,
+            config.assistant_confidence_threshold) == before  # ... and put back
+    assert {k: early.info[k] for k in length} == length and early.info["exit_layer"] == 2
+    assisted = build_method("hf_assisted", lm, cfg, options={"assistant": "tiny-llama", **length})
+    assert assisted.generate(ids).tokens == want and assisted.info["num_tokens"] == 3
+
+
+@pytest.mark.parametrize("options, message", [({"schedule": "heuristic"}, "carries its draft length"),
+                                              ({"num_tokens": 0}, "at least 1"),
+                                              ({"confidence": 1.0}, r"in \[0, 1\)"),
+                                              ({"exit_layer": 4}, r"exit_layer must be in 1\.\.3")])
+def test_bad_draft_length_options_are_refused(options, message):
+    from selfspec.assets.models import load_model
+
+    lm = load_model("tiny-llama", dtype="bfloat16")
+    with pytest.raises(SelfSpecError, match=message):
+        build_method("hf_early_exit", lm, DecodeConfig(max_new_tokens=4), options=options)

@@ -58,14 +58,44 @@ class PromptLookupOptions:
     max_ngram: int = 2  # max_matching_ngram_size
 
 
+# transformers' schedules of the number of drafted tokens that start each generate() call afresh
+# ("heuristic" carries its count from one prompt to the next, so a prompt's speed would depend on the ones before)
+SCHEDULES = ("constant", "heuristic_transient")
+
+
 @dataclass(frozen=True)
-class AssistedOptions:
+class DraftLengthOptions:
+    """How many tokens a transformers drafter proposes per round (its defaults are transformers' own)."""
+
+    num_tokens: int = 20  # num_assistant_tokens: the most tokens drafted per round
+    schedule: str = "constant"  # num_assistant_tokens_schedule: constant | heuristic_transient (+2 / -1 per round)
+    confidence: float = 0.4  # assistant_confidence_threshold: stop drafting below this probability (0: never)
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise SelfSpecError(f"num_tokens must be at least 1, got {self.num_tokens}")
+        if self.schedule not in SCHEDULES:
+            raise SelfSpecError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r} "
+                                "(\"heuristic\" carries its draft length from one prompt to the next)")
+        if not 0.0 <= self.confidence < 1.0:
+            raise SelfSpecError(f"confidence must be in [0, 1), got {self.confidence}")
+
+    def generation_settings(self) -> dict:
+        return {"num_assistant_tokens": self.num_tokens, "num_assistant_tokens_schedule": self.schedule,
+                "assistant_confidence_threshold": self.confidence}
+
+    def record(self) -> dict:
+        return {"num_tokens": self.num_tokens, "schedule": self.schedule, "confidence": self.confidence}
+
+
+@dataclass(frozen=True)
+class AssistedOptions(DraftLengthOptions):
     assistant: str = "qwen2.5-coder-0.5b"  # the draft model (same tokenizer as the target)
     cache_dir: str | None = None
 
 
 @dataclass(frozen=True)
-class EarlyExitOptions:
+class EarlyExitOptions(DraftLengthOptions):
     exit_layer: int = 8  # assistant_early_exit
 
 
@@ -98,16 +128,38 @@ def _self_speculative(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None,
 
 
 def _hf(name: str, lm: LoadedModel, cfg: DecodeConfig, kwargs: dict, stock: bool, info: dict | None = None,
-        assistant=None) -> Method:
-    """A transformers method on our kernels (the prepacked weights, when ``cfg.packed_weights``) or stock ones."""
+        assistant=None, drafter=None, length: DraftLengthOptions | None = None) -> Method:
+    """A transformers method on our kernels (the prepacked weights, when ``cfg.packed_weights``) or stock ones.
+
+    ``drafter``: the model whose ``generation_config`` transformers reads the draft length from (the
+    assistant, or the model itself for early exit); ``length`` is set on it for each call and put back after.
+    """
     packed = cfg.packed_weights and not stock
     extra = _param_bytes(assistant) if assistant is not None else 0
     if packed:  # pack now, not inside a timed request
         extra += _packed_bytes(lm, cfg) + (weight_packer(assistant).extra_bytes if assistant is not None else 0)
     full = f"{name}_stock" if stock else name
     run = hf_runner(lm, full, kwargs, packed=packed, also_packed=(assistant,) if assistant is not None else ())
+    if length is not None:
+        run = _with_generation_settings(run, drafter.generation_config, length.generation_settings())
+        info = {**(info or {}), **length.record()}
     return Method(full, run, cfg, extra_memory_bytes=extra,
                   info={**(info or {}), "kernels": "packed" if packed else "stock"})
+
+
+def _with_generation_settings(run, config, settings: dict):
+    """``run`` with ``settings`` on generation config ``config`` during each call (a model's config is shared
+    by every method of a run that uses the model, so each sets its own and puts the old values back)."""
+    def wrapped(ids: list[int], cfg: DecodeConfig) -> Generation:
+        old = {k: getattr(config, k, None) for k in settings}
+        for k, v in settings.items():
+            setattr(config, k, v)
+        try:
+            return run(ids, cfg)
+        finally:
+            for k, v in old.items():
+                setattr(config, k, v)
+    return wrapped
 
 
 def _hf_generate(stock: bool):
@@ -134,14 +186,17 @@ def _hf_assisted(stock: bool):
         if draft.tokenizer.get_vocab() != lm.tokenizer.get_vocab():
             raise SelfSpecError(f"assistant {name!r} has another tokenizer than {lm.name!r}")
         return _hf("hf_assisted", lm, cfg, {"assistant_model": draft.model}, stock, {"assistant": name},
-                   assistant=draft.model)
+                   assistant=draft.model, drafter=draft.model, length=opts)
     return build
 
 
 def _hf_early_exit(stock: bool):
     def build(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None, opts: EarlyExitOptions) -> Method:
         layer = int(opts.exit_layer)
-        return _hf("hf_early_exit", lm, cfg, {"assistant_early_exit": layer}, stock, {"exit_layer": layer})
+        if not 0 < layer < lm.num_layers:
+            raise SelfSpecError(f"exit_layer must be in 1..{lm.num_layers - 1} for {lm.name}, got {layer}")
+        return _hf("hf_early_exit", lm, cfg, {"assistant_early_exit": layer}, stock, {"exit_layer": layer},
+                   drafter=lm.model, length=opts)
     return build
 
 
