@@ -20,7 +20,7 @@ from selfspec.eval.tables import (
     write_tables,
 )
 
-HEADLINE_RUNS = ["baselines", "main_handpicked", "main", "fair", "tree"]
+HEADLINE_RUNS = ["baselines", "main_handpicked", "main", "fair", "tree", "main_peers"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,8 +32,8 @@ COLUMNS = ["model", "dataset", "variant", "method", "kernels", "samples", "attn_
            "rouge_l", "ttft_s", "tpot_s", "latency_p99_s", "extra_memory_mb", "reps", "pass_speedups", "drift"]
 PASS_COLUMNS = ("reps", "pass_speedups", "drift")  # shown only in a table with a run of several passes
 COMPARED = ["autoregressive", "self_speculative", "self_speculative-tree", "hf_generate", "hf_prompt_lookup",
-            "hf_prompt_lookup-n5", "hf_assisted", "hf_early_exit", "hf_generate_stock", "hf_prompt_lookup_stock",
-            "hf_assisted_stock", "hf_early_exit_stock"]
+            "hf_prompt_lookup-n5", "hf_assisted", "hf_assisted-n8", "hf_early_exit", "hf_generate_stock",
+            "hf_prompt_lookup_stock", "hf_assisted_stock", "hf_early_exit_stock"]
 HEADERS = {"model": "model", "dataset": "dataset", "variant": "run", "method": "method", "kernels": "kernels",
            "samples": "n",
            "attn_skipped": "attn skip", "mlp_skipped": "MLP skip", "k": "k", "acceptance_rate": "accept",
