@@ -435,6 +435,22 @@ def test_storage_urls_and_bad_ones(tmp_path):
         workers.open_storage("nosuchdriver://host/db")
 
 
+def test_ctrl_c_is_held_until_the_trial_is_told():
+    from selfspec.search.study import ctrl_c_between_trials
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with ctrl_c_between_trials() as check:
+        check()  # nothing pending
+        os.kill(os.getpid(), signal.SIGINT)  # held: no KeyboardInterrupt here ...
+        time.sleep(0.05)
+        with pytest.raises(KeyboardInterrupt):
+            check()  # ... but at the next check
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: at once
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_ctrl_c_during_the_search_is_one_clean_message(tmp_path):
     db = tmp_path / "optuna" / "study.db"
     # So many trials that the search cannot end on its own before the signal.

@@ -17,7 +17,10 @@ trial is marked FAIL and run again). A study pins what makes its scores comparab
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import optuna
@@ -131,26 +134,70 @@ def run_search(
     the finished trials plus the live ones numbered before it stay under the budget, so
     the workers together never run more than ``n_trials``. A trial that finds the budget
     taken is closed as FAIL unrun (user attribute ``not_run``); one per worker at most.
+    A Ctrl-C ends the search once the trial under way is told (:func:`ctrl_c_between_trials`);
+    a second one at once.
     """
     prunes = isinstance(objective, PredictedObjective)
-    while finished(study) + running_elsewhere(study) < n_trials:
-        trial = study.ask()
-        if finished(study) + running_elsewhere(study, below=trial.number) >= n_trials:
-            trial.set_user_attr("not_run", "the trial budget was taken by other workers")
-            study.tell(trial, state=TrialState.FAIL)
-            return
-        try:
-            with heartbeat(trial):
-                value, state = _run_trial(trial, space, objective, model_name, prunes), TrialState.COMPLETE
-        except optuna.TrialPruned:
-            value, state = None, TrialState.PRUNED
-        except BaseException:  # Ctrl-C, or an error: the trial runs again on resume
-            study.tell(trial, state=TrialState.FAIL)
-            raise
-        frozen = study.tell(trial, value, state=state)
-        for callback in callbacks or []:
-            callback(study, frozen)
-        fail_dead_trials(study)
+    with ctrl_c_between_trials() as check:
+        while True:
+            check()
+            if finished(study) + running_elsewhere(study) >= n_trials or \
+                    not _one_trial(study, space, objective, model_name, prunes, n_trials, callbacks):
+                return
+
+
+@contextmanager
+def ctrl_c_between_trials() -> Iterator[Callable[[], None]]:
+    """Hold a Ctrl-C until the next ``check()``: between trials, where no storage write is under way.
+
+    A KeyboardInterrupt raised inside a storage commit can leave the SQLite file locked by
+    a connection of this process, and the clean-up after it (giving the worker slot back)
+    then waits for that lock. A second Ctrl-C interrupts at once. Outside the main thread,
+    or when SIGINT has a handler of its own, nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield lambda: None
+        return
+    pending: list[int] = []
+
+    def hold(signum, frame) -> None:
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    def check() -> None:
+        if pending:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _one_trial(study: optuna.Study, space: SearchSpace, objective, model_name: str | None, prunes: bool,
+               n_trials: int, callbacks: list | None) -> bool:
+    """Ask, run and tell one trial; False when the budget was taken by other workers meanwhile."""
+    trial = study.ask()
+    if finished(study) + running_elsewhere(study, below=trial.number) >= n_trials:
+        trial.set_user_attr("not_run", "the trial budget was taken by other workers")
+        study.tell(trial, state=TrialState.FAIL)
+        return False
+    try:
+        with heartbeat(trial):
+            value, state = _run_trial(trial, space, objective, model_name, prunes), TrialState.COMPLETE
+    except optuna.TrialPruned:
+        value, state = None, TrialState.PRUNED
+    except BaseException:  # a second Ctrl-C, or an error: the trial runs again on resume
+        study.tell(trial, state=TrialState.FAIL)
+        raise
+    frozen = study.tell(trial, value, state=state)
+    for callback in callbacks or []:
+        callback(study, frozen)
+    fail_dead_trials(study)
+    return True
 
 
 def _run_trial(trial: optuna.Trial, space: SearchSpace, objective, model_name: str | None, prunes: bool) -> float:
