@@ -438,17 +438,24 @@ def test_storage_urls_and_bad_ones(tmp_path):
 def test_ctrl_c_is_held_until_the_trial_is_told():
     from selfspec.search.study import ctrl_c_between_trials
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with ctrl_c_between_trials() as check:
-        check()  # nothing pending
-        os.kill(os.getpid(), signal.SIGINT)  # held: no KeyboardInterrupt here ...
-        time.sleep(0.05)
-        with pytest.raises(KeyboardInterrupt):
-            check()  # ... but at the next check
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: at once
-            time.sleep(1)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # as in a terminal; a test run started in the background (CI) ignores SIGINT: set it as Python does
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with ctrl_c_between_trials() as check:
+            check()  # nothing pending
+            os.kill(os.getpid(), signal.SIGINT)  # held: no KeyboardInterrupt here ...
+            time.sleep(0.05)
+            with pytest.raises(KeyboardInterrupt):
+                check()  # ... but at the next check
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: at once
+                time.sleep(1)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with ctrl_c_between_trials() as check:  # a process that ignores SIGINT keeps ignoring it
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def test_ctrl_c_during_the_search_is_one_clean_message(tmp_path):
