@@ -46,8 +46,7 @@ def weight_format(options: DraftOptions) -> str:
 
 def head_format(options: DraftOptions) -> str:
     """The cost model's key of a quantized draft head (``head_low``)."""
-    w = options.head_weights
-    return f"{options.head_tokens}/" + (f"int4-g{options.group_size}" if w == "int4" else w)
+    return f"{options.head_tokens}/" + weight_format(replace(options, weights=options.head_weights))
 
 
 @dataclass

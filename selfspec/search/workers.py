@@ -226,7 +226,7 @@ def _trial_alive(t: optuna.trial.FrozenTrial, others: bool) -> bool:
 
 def _running(study: optuna.Study) -> list[tuple[optuna.trial.FrozenTrial, bool]]:
     trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    others = bool(trials) and _other_worker_alive(study)
+    others = any("worker" not in t.user_attrs for t in trials) and _other_worker_alive(study)
     return [(t, _trial_alive(t, others)) for t in trials]
 
 
