@@ -24,6 +24,7 @@ PLAN = SkipPlan(4, attn=(1,), mlp=(2,))
     DraftOptions(weights="int8"),
     DraftOptions(head_tokens=40),
     DraftOptions(ngram=2),
+    DraftOptions(ngram=3, min_ngram=1),
     DraftOptions(weights="int8", head_tokens=40, ngram=1),
     DraftOptions(weights="int4", head_tokens=40, head_weights="int4"),
     DraftOptions(head_weights="int8"),
@@ -38,8 +39,10 @@ def test_greedy_output_is_exact_with_every_draft_option(arch, options):
     assert autoregressive(model, PROMPT + PROMPT, cfg).tokens == ar.tokens  # wrappers are off outside drafts
     if options.weights == "int8":
         assert path.extra_bytes > 0 and path.linears
-    if options.ngram == 1:
+    if (options.min_ngram or options.ngram) == 1:
         assert sp.stats.copy_rounds > 0  # a 96-token vocabulary repeats single tokens soon
+    if options.min_ngram:
+        assert 0 < sp.stats.short_copy_rounds <= sp.stats.copy_rounds
 
 
 @pytest.mark.parametrize("weights", ["model", "int8", "int4"])
@@ -142,11 +145,37 @@ def test_ngram_index_proposes_the_latest_continuation():
     assert NGramIndex(3).propose(2) == []
 
 
+def test_ngram_index_falls_back_to_the_longest_shorter_match():
+    tokens = [1, 2, 3, 9, 4, 2, 3, 8, 5, 3, 7, 6, 3]
+    idx = NGramIndex(3, shortest=1)
+    idx.extend(tokens)
+    # "6 3" and "7 6 3" never occurred before: the latest earlier "3" wins
+    assert idx.propose(2) == [7, 6] and idx.matched == 1
+    idx.extend([9])  # "3 9" occurred once, "6 3 9" never
+    assert idx.propose(2) == [4, 2] and idx.matched == 2
+    idx.extend([4, 2, 3])  # "4 2 3" occurred: the 3-gram beats the later "2 3" and "3"
+    assert idx.propose(1) == [8] and idx.matched == 3
+    idx.extend([11])
+    assert idx.propose(3) == [] and idx.matched == 0  # 11 never occurred
+    only = NGramIndex(3)
+    only.extend(tokens)
+    assert only.propose(2) == [] and only.shortest == 3  # without a shortest length, no fallback
+    assert NGramIndex(2, shortest=1).propose_many(2, 3) == []  # an empty context
+    with pytest.raises(ValueError, match="shortest"):
+        NGramIndex(2, shortest=3)
+
+
 def test_bad_draft_options():
     with pytest.raises(SelfSpecError, match="weights"):
         DraftOptions(weights="fp8")
     with pytest.raises(SelfSpecError, match="group_size"):
         DraftOptions(weights="int4", group_size=48)
+    with pytest.raises(SelfSpecError, match="min_ngram"):
+        DraftOptions(ngram=2, min_ngram=2)
+    with pytest.raises(SelfSpecError, match="copy_fallback"):  # below the shortest match copied
+        DraftOptions(ngram=3, min_ngram=1, copy_fallback=1)
+    assert "min_ngram" not in DraftOptions(ngram=2).record()  # older runs' records stay as they were
+    assert DraftOptions(ngram=3, min_ngram=1).record()["min_ngram"] == 1
     model = tiny_model("llama", vocab_size=96)
     path = DraftPath(model, PLAN, DraftOptions())
     with pytest.raises(SelfSpecError, match="another plan"):

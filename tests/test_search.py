@@ -143,7 +143,7 @@ def test_space_round_trip_and_fixed_dimensions():
     assert fixed.spec_of(params).options.weights == "model" and fixed.spec_of(params).k == 2
     with pytest.raises(SelfSpecError, match="outside the space"):
         fixed.params_of(DraftSpec(SkipPlan(6), k=5))
-    assert {"copy_fallback", "head_weights"}.isdisjoint(space.describe()["dims"])  # older studies still resume
+    assert {"copy_fallback", "head_weights", "min_ngram"}.isdisjoint(space.describe()["dims"])  # older studies resume
     heads = SearchSpace(6, dims=DraftDims(weights=("int8",), head_weights=("model", "int4"), group_size=(32, 128)))
     low = DraftSpec(SkipPlan(6), DraftOptions(weights="int8", head_tokens=16384, head_weights="int4", group_size=128))
     assert heads.spec_of(heads.params_of(low)) == low
@@ -154,6 +154,14 @@ def test_space_round_trip_and_fixed_dimensions():
     assert wide.spec_of(wide.params_of(tree)) == tree
     short = wide.spec_of({**wide.params_of(tree), "ngram": 1})  # a 1-gram draft has no shorter match to fall back to
     assert short.options.copy_fallback == 0 and not short.options.tree
+    copies = SearchSpace(6, dims=DraftDims(ngram=(0, 1, 3), min_ngram=(0, 1), copy_fallback=(0, 1)))
+    fall = DraftSpec(SkipPlan(6), DraftOptions(ngram=3, min_ngram=1, copy_tokens=10), k=2)
+    assert copies.spec_of(copies.params_of(fall)) == fall
+    assert "min_ngram" in copies.describe()["dims"]
+    params = {**copies.params_of(fall), "copy_fallback": 1}  # no shorter match is left for a fallback tree
+    assert copies.spec_of(params).options.copy_fallback == 0
+    one = copies.spec_of({**params, "ngram": 1})
+    assert one.options.min_ngram == 0  # a 1-gram draft has no shorter match
 
 
 def test_a_study_on_another_machine_is_rescored_from_its_round_counts(tmp_path, simulator):

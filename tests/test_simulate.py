@@ -14,6 +14,7 @@ SPECS = {
     "skip": DraftSpec(SkipPlan(N_LAYERS, attn=(1,), mlp=(2,)), k=3),
     "skip_k5": DraftSpec(SkipPlan(N_LAYERS, attn=(1, 2), mlp=(2,)), k=5),
     "copy": DraftSpec(SkipPlan(N_LAYERS, attn=(2,)), DraftOptions(ngram=1, copy_tokens=6), k=2),
+    "short_copy": DraftSpec(SkipPlan(N_LAYERS, attn=(2,)), DraftOptions(ngram=3, min_ngram=1, copy_tokens=6), k=2),
     "head": DraftSpec(SkipPlan(N_LAYERS, mlp=(1,)), DraftOptions(head_tokens=40), k=4),
     "adaptive": DraftSpec(SkipPlan(N_LAYERS, attn=(1,)), k=4, adaptive=True, threshold=0.3),
     "copy_tree": DraftSpec(SkipPlan(N_LAYERS, attn=(2,)), DraftOptions(ngram=1, copy_tokens=6, copy_candidates=3,

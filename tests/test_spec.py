@@ -67,3 +67,15 @@ def test_ablation_rows():
     leave_one_out = dict(ablation_variants(FULL))
     assert leave_one_out["without low precision"].options.weights == "model"
     assert leave_one_out["without copy drafting"].options.ngram == 0
+
+
+def test_shorter_copies_are_a_lever_of_their_own(tmp_path):
+    spec = FULL.replace(options=DraftOptions(weights="int4", group_size=128, head_tokens=16384, ngram=3, min_ngram=1,
+                                             copy_tokens=10))
+    assert DraftSpec.load(spec.save(tmp_path / "d.json")) == spec
+    assert spec.key != FULL.replace(options=DraftOptions(weights="int4", group_size=128, ngram=3, copy_tokens=10)).key
+    assert "3-gram copy (down to 1-gram) up to 10" in spec.describe()
+    rows = dict(ablation_variants(spec))
+    assert rows["without shorter copies"].options.min_ngram == 0 and rows["without shorter copies"].options.ngram == 3
+    assert rows["without copy drafting"].options.ngram == 0 == rows["without copy drafting"].options.min_ngram
+    assert dict(cumulative_variants(spec))["plus_cut_head"].options.min_ngram == 0

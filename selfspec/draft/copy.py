@@ -7,19 +7,30 @@ _KEPT_OCCURRENCES = 16
 
 
 class NGramIndex:
-    """Where each n-gram of the context occurred (the latest few times), for copy drafting."""
+    """Where each n-gram of the context occurred (the latest few times), for copy drafting.
 
-    def __init__(self, n: int) -> None:
+    With ``shortest`` below ``n``, a lookup whose last n tokens never occurred before falls back
+    to the last n-1 tokens, then n-2, down to ``shortest`` (prompt lookup's rule: the longest
+    match wins); :attr:`matched` says how long the last lookup's match was (0: none).
+    """
+
+    def __init__(self, n: int, shortest: int | None = None) -> None:
         self.n = n
+        self.shortest = shortest or n
+        if not 1 <= self.shortest <= n:
+            raise ValueError(f"shortest match must be between 1 and n={n}, got {shortest}")
         self.tokens: list[int] = []
+        # keyed by the m-gram itself: grams of different lengths never collide
         self.seen: dict[tuple[int, ...], list[int]] = {}
+        self.matched = 0
 
     def extend(self, tokens: list[int]) -> None:
         for t in tokens:
             self.tokens.append(t)
             end = len(self.tokens)
-            if end > self.n:  # the n-gram before the newest token now has a continuation
-                starts = self.seen.setdefault(tuple(self.tokens[end - 1 - self.n : end - 1]), [])
+            for m in range(self.shortest, min(self.n, end - 1) + 1):
+                # the m-gram before the newest token now has a continuation
+                starts = self.seen.setdefault(tuple(self.tokens[end - 1 - m : end - 1]), [])
                 starts.append(end - 1)
                 if len(starts) > _KEPT_OCCURRENCES:
                     del starts[0]
@@ -31,14 +42,17 @@ class NGramIndex:
 
     def propose_many(self, k: int, m: int) -> list[list[int]]:
         """Up to ``m`` distinct continuations (up to ``k`` tokens each) of earlier occurrences of
-        the last n tokens, latest occurrence first."""
-        if len(self.tokens) < self.n:
-            return []
-        out: list[list[int]] = []
-        for start in reversed(self.seen.get(tuple(self.tokens[-self.n :]), ())):
-            cont = self.tokens[start : start + k]
-            if cont not in out:
-                out.append(cont)
-                if len(out) == m:
-                    break
-        return out
+        the last n tokens (or, with none, of the longest shorter match), latest occurrence first."""
+        self.matched = 0
+        for length in range(min(self.n, len(self.tokens)), self.shortest - 1, -1):
+            out: list[list[int]] = []
+            for start in reversed(self.seen.get(tuple(self.tokens[-length:]), ())):
+                cont = self.tokens[start : start + k]
+                if cont not in out:
+                    out.append(cont)
+                    if len(out) == m:
+                        break
+            if out:
+                self.matched = length
+                return out
+        return []

@@ -20,7 +20,9 @@ second model and without touching what verification computes:
   ``model`` (the default) keeps them in the model's precision.
 - ``ngram: n``: when the last n tokens occurred earlier in the context, the
   round drafts by copying what followed them (prompt lookup, :class:`NGramIndex`),
-  up to ``copy_tokens`` tokens (default: k), and runs no draft forward at all.
+  up to ``copy_tokens`` tokens (default: k), and runs no draft forward at all;
+  with ``min_ngram: m``, a context with no n-gram match falls back to the longest
+  match of n-1 .. m tokens before the model drafts.
 
 Both are switched on only inside ``with path.drafting():`` (together with the
 skip plan) by wrapping modules of *that* model instance in place, as
@@ -56,6 +58,9 @@ class DraftOptions:
     head_weights: str = "model"  # model | int8 | int4 (group_size): precision of the draft head's rows
     ngram: int = 0  # 0 = off; n >= 1: draft by copying what followed the last n tokens in the context
     copy_tokens: int = 0  # longest copy draft; 0 = k, like the layer-skip draft
+    # m < ngram: with no n-gram match, copy after the longest match of ngram-1 .. m tokens before drafting
+    # with the model (prompt lookup's rule, its max_matching_ngram_size down to m); 0 = n-gram matches only
+    min_ngram: int = 0
     # draft trees (greedy decoding only; selfspec.engine.tree): several candidates in one verify forward
     copy_candidates: int = 1  # distinct continuations of earlier n-gram matches, latest first; 1 = a chain
     branch_below: float = 0.0  # model drafts add the 2nd-best token where the top probability is below this
@@ -75,9 +80,13 @@ class DraftOptions:
             raise SelfSpecError("copy_candidates and tree_nodes must be >= 1")
         if not 0.0 <= self.branch_below < 1.0:
             raise SelfSpecError(f"branch_below must be in [0, 1), got {self.branch_below}")
-        if self.copy_fallback and not 0 < self.copy_fallback < self.ngram:
-            raise SelfSpecError(f"copy_fallback must be between 1 and ngram-1 (ngram={self.ngram}), "
-                                f"got {self.copy_fallback}")
+        if self.min_ngram and not 0 < self.min_ngram < self.ngram:
+            raise SelfSpecError(f"min_ngram must be between 1 and ngram-1 (ngram={self.ngram}), or 0 for "
+                                f"n-gram matches only; got {self.min_ngram}")
+        shortest = self.min_ngram or self.ngram
+        if self.copy_fallback and not 0 < self.copy_fallback < shortest:
+            raise SelfSpecError(f"copy_fallback must be between 1 and {shortest - 1} (below the shortest match "
+                                f"copied: ngram={self.ngram}, min_ngram={self.min_ngram}), got {self.copy_fallback}")
         if "int4" in (self.weights, self.head_weights) and self.group_size not in (32, 64, 128, 256):
             raise SelfSpecError(f"int4 group_size must be 32, 64, 128 or 256, got {self.group_size}")
 
@@ -93,7 +102,7 @@ class DraftOptions:
     def record(self) -> dict | None:
         """The options as a run records them (None for the plan-only draft).
 
-        ``copy_tokens``, ``copy_fallback``, ``head_weights`` and the tree options appear only when set, so
+        ``copy_tokens``, ``min_ngram``, ``copy_fallback``, ``head_weights`` and the tree options appear only when set, so
         runs recorded before they existed still resume.
         """
         if self.plain and not self.ngram and not self.tree:
@@ -103,6 +112,8 @@ class DraftOptions:
             del rec["head_weights"]
         if not self.copy_tokens:
             del rec["copy_tokens"]
+        if not self.min_ngram:
+            del rec["min_ngram"]
         if not self.copy_fallback:
             del rec["copy_fallback"]
         if not self.tree:

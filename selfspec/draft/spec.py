@@ -50,7 +50,8 @@ class DraftSpec:
                 round(self.threshold, 3) if self.adaptive else None,
                 (o.copy_candidates if o.ngram else 1, round(o.branch_below, 3), o.tree_nodes, o.copy_fallback)
                 if o.tree else None) + ((o.head_weights, o.group_size if o.head_weights == "int4" else 0)
-                                    if o.head_weights != "model" else ())
+                                    if o.head_weights != "model" else ()) + ((("min_ngram", o.min_ngram),)
+                                                                            if o.ngram and o.min_ngram else ())
 
     def describe(self) -> str:
         o = self.options
@@ -62,7 +63,8 @@ class DraftSpec:
                 f" g{o.group_size}" if o.head_weights == "int4" else "")
             parts.append(f"head {o.head_tokens or 'full'}{low}")
         if o.ngram:
-            parts.append(f"{o.ngram}-gram copy" + (f" up to {o.copy_tokens}" if o.copy_tokens else ""))
+            parts.append(f"{o.ngram}-gram copy" + (f" (down to {o.min_ngram}-gram)" if o.min_ngram else "")
+                         + (f" up to {o.copy_tokens}" if o.copy_tokens else ""))
         if o.tree:
             tree = [f"{o.copy_candidates} copy candidates"] if o.ngram and o.copy_candidates > 1 else []
             tree += [f"branch below {o.branch_below:.2f}"] if o.branch_below else []

@@ -307,7 +307,8 @@ class Speculator:
         self.run = run
         self.cfg = run.cfg
         self.path = path
-        self.ngram = NGramIndex(path.options.ngram) if path.options.ngram else None
+        opts = path.options
+        self.ngram = NGramIndex(opts.ngram, opts.min_ngram or None) if opts.ngram else None
         self.threshold = AdaptiveThreshold(self.cfg)
         self.tree = path.options.tree
         fallback = path.options.copy_fallback
@@ -337,6 +338,8 @@ class Speculator:
         run = self.run
         self.ngram.extend(run.out[len(self.ngram.tokens) - run.prompt.numel():])  # catch up with the context
         drafts = self.ngram.propose(k)
+        if drafts and self.ngram.matched < self.ngram.n:
+            run.stats.short_copy_rounds += 1
         # the proposal distribution is a point mass
         qs = [] if self.cfg.sampling.greedy else [self.point_mass(t) for t in drafts]
         return drafts, qs
@@ -403,6 +406,7 @@ class Speculator:
             tree.add_path(cont, f"copy#{rank}")
         if found:
             run.stats.copy_rounds += 1
+            run.stats.short_copy_rounds += self.ngram.matched < self.ngram.n
             return tree
         if not self.model_draft_pays():
             return None

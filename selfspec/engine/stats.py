@@ -56,6 +56,7 @@ class DecodeStats:
     new_tokens: int = 0
     rounds: int = 0  # verify passes of speculative rounds
     copy_rounds: int = 0  # rounds whose draft was copied from the context (n-gram match)
+    short_copy_rounds: int = 0  # of those, rounds copied after a match shorter than n (DraftOptions.min_ngram)
     plain_steps: int = 0  # one-token target steps (baseline, fallback, gate, last token)
     gated_steps: int = 0  # of those, steps the model-draft gate took in place of a model draft (DecodeConfig.gate)
     drafted: int = 0
@@ -101,7 +102,8 @@ class DecodeStats:
         """One set of counters for several requests (the turns of one sample)."""
         out = cls(method=parts[0].method, requests=0)
         for p in parts:
-            for name in ("requests", "prompt_tokens", "new_tokens", "rounds", "copy_rounds", "plain_steps", "gated_steps",
+            for name in ("requests", "prompt_tokens", "new_tokens", "rounds", "copy_rounds", "short_copy_rounds",
+                         "plain_steps", "gated_steps",
                          "drafted", "accepted", "prefill_time", "draft_time", "verify_time", "step_time", "ttft", "total_time",
                          "tree_rounds", "tree_nodes"):
                 setattr(out, name, getattr(out, name) + getattr(p, name))

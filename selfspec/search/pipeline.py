@@ -170,7 +170,9 @@ def ablation_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
     if o.head_weights != "model":
         out.append(("without the quantized head", spec.replace(options=_options(o, head_weights="model"))))
     if o.ngram:
-        out.append(("without copy drafting", spec.replace(options=_options(o, ngram=0, copy_tokens=0))))
+        out.append(("without copy drafting", spec.replace(options=_options(o, **_NO_COPY))))
+    if o.min_ngram:
+        out.append(("without shorter copies", spec.replace(options=_options(o, min_ngram=0))))
     if o.tree:
         out.append(("a chain (no draft tree)", spec.replace(options=_options(o, copy_candidates=1, branch_below=0.0))))
     if spec.adaptive:
@@ -187,8 +189,7 @@ def cumulative_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
     steps = [("skip_only", plain),
              ("plus_low_precision", plain.replace(options=_options(plain.options, weights=o.weights,
                                                                     group_size=o.group_size))),
-             ("plus_cut_head", plain.replace(options=_options(o, ngram=0, copy_tokens=0, copy_candidates=1,
-                                                                branch_below=0.0))),
+             ("plus_cut_head", plain.replace(options=_options(o, **_NO_COPY, copy_candidates=1, branch_below=0.0))),
              ("plus_copy", plain.replace(options=_options(o, copy_candidates=1, branch_below=0.0))),
              ("plus_tree", plain.replace(options=o))]
     out, seen = [], {spec.key}
@@ -205,6 +206,10 @@ def cumulative_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
 def skip_free(spec: DraftSpec) -> DraftSpec:
     """The same draft with no sublayer skipped: its options and length policy alone."""
     return spec.replace(plan=SkipPlan(spec.plan.num_layers, model=spec.plan.model))
+
+
+# the options a draft with no copy drafting sets (the copy settings need an n-gram size)
+_NO_COPY = {"ngram": 0, "copy_tokens": 0, "min_ngram": 0, "copy_fallback": 0}
 
 
 def _options(o: DraftOptions, **changes) -> DraftOptions:

@@ -36,6 +36,7 @@ class DraftDims:
     threshold: tuple[float, ...] = (0.2, 0.4, 0.6)
     ngram: tuple[int, ...] = (0, 2, 3)
     copy_tokens: tuple[int, ...] = (0, 10)
+    min_ngram: tuple[int, ...] = (0,)  # shortest match copied when the n-gram has none (m < ngram; 0 = n-gram only)
     copy_candidates: tuple[int, ...] = (1, 3)  # draft trees: distinct copy continuations verified at once
     branch_below: tuple[float, ...] = (0.0, 0.3)  # draft trees: 2nd-best token where the draft is less sure
     tree_nodes: tuple[int, ...] = (12,)  # draft trees: most nodes one verify covers
@@ -43,7 +44,7 @@ class DraftDims:
 
     def __post_init__(self) -> None:
         for name in ("weights", "group_size", "head_tokens", "head_weights", "k", "adaptive", "threshold", "ngram", "copy_tokens",
-                     "copy_candidates", "branch_below", "tree_nodes", "copy_fallback"):
+                     "min_ngram", "copy_candidates", "branch_below", "tree_nodes", "copy_fallback"):
             if not getattr(self, name):
                 raise SelfSpecError(f"search.space.{name} is empty: give at least one value")
         for name in ("weights", "head_weights"):
@@ -113,9 +114,9 @@ class SearchSpace:
         """What the study pins: a resumed study refuses another space."""
         return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
                 "protect_first_last": self.protect_first_last,
-                # copy_fallback and head_weights only when searched, so studies made before them still resume
+                # copy_fallback, min_ngram and head_weights only when searched, so studies made before them still resume
                 "dims": {k: list(v) for k, v in asdict(self.dims).items()
-                         if (k, v) not in (("copy_fallback", (0,)), ("head_weights", ("model",)))}}
+                         if (k, v) not in (("copy_fallback", (0,)), ("min_ngram", (0,)), ("head_weights", ("model",)))}}
 
     # -- params <-> drafts -------------------------------------------------------------
     def _option_dims(self) -> dict[str, tuple]:
@@ -123,7 +124,8 @@ class SearchSpace:
         return {"weights": d.weights, "group_size": d.group_size, "head_tokens": d.head_tokens,
                 "head_weights": d.head_weights, "k": d.k,
                 "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens,
-                "copy_candidates": d.copy_candidates, "branch_below": d.branch_below, "tree_nodes": d.tree_nodes,
+                "min_ngram": d.min_ngram, "copy_candidates": d.copy_candidates, "branch_below": d.branch_below,
+                "tree_nodes": d.tree_nodes,
                 "copy_fallback": d.copy_fallback}
 
     def params_of(self, spec: DraftSpec) -> dict:
@@ -133,10 +135,11 @@ class SearchSpace:
         values = {"weights": o.weights, "group_size": o.group_size, "head_tokens": o.head_tokens,
                   "head_weights": o.head_weights, "k": spec.k,
                   "adaptive": spec.adaptive, "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
-                  "copy_candidates": o.copy_candidates, "branch_below": o.branch_below, "tree_nodes": o.tree_nodes,
+                  "min_ngram": o.min_ngram, "copy_candidates": o.copy_candidates, "branch_below": o.branch_below,
+                  "tree_nodes": o.tree_nodes,
                   "copy_fallback": o.copy_fallback}
         unused = {"group_size": "int4" not in (o.weights, o.head_weights), "threshold": not spec.adaptive,
-                  "copy_tokens": not o.ngram,
+                  "copy_tokens": not o.ngram, "min_ngram": o.ngram < 2,
                   "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2}
         for name, choices in self._option_dims().items():
             if unused.get(name):  # a value the draft does not use: any of the space's will do
@@ -152,12 +155,14 @@ class SearchSpace:
         attn = tuple(i for i in self.searchable if params.get(f"attn_{i}"))
         mlp = tuple(i for i in self.searchable if params.get(f"mlp_{i}"))
         v = {name: params.get(name, choices[0]) for name, choices in self._option_dims().items()}
+        min_ngram = v["min_ngram"] if v["min_ngram"] < v["ngram"] else 0
+        shortest = min_ngram or v["ngram"]
         options = DraftOptions(weights=v["weights"], group_size=v["group_size"], head_tokens=v["head_tokens"],
                                head_weights=v["head_weights"],
-                               ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0,
+                               ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0, min_ngram=min_ngram,
                                copy_candidates=v["copy_candidates"] if v["ngram"] else 1,
                                branch_below=v["branch_below"],
-                               copy_fallback=v["copy_fallback"] if v["copy_fallback"] < v["ngram"] else 0)
+                               copy_fallback=v["copy_fallback"] if v["copy_fallback"] < shortest else 0)
         if options.tree:  # a chain keeps the default budget: one draft, one spec
             options = replace(options, tree_nodes=v["tree_nodes"])
         return DraftSpec(SkipPlan(self.num_layers, attn=attn, mlp=mlp, model=model), options, k=v["k"],
