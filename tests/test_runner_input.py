@@ -11,7 +11,7 @@ from selfspec.assets.models import load_model
 from selfspec.cli.config import conf_dir
 from selfspec.eval.methods import build_method
 from selfspec.eval.records import summarize
-from selfspec.eval.runner import EvalSettings, evaluate
+from selfspec.eval.runner import EvalSettings, evaluate, short_name
 from selfspec.search.pipeline import HeldoutSettings, RetimeSettings, SearchSettings
 
 
@@ -190,3 +190,11 @@ def test_speedups_pair_each_repetition_with_the_baselines_same_repetition():
     # give 1.5; the ratio of unpaired medians (draft 7.5 over AR 10) would say 0.75
     per_rep = {"ar": [rep(10, 0.09), rep(10, 0.09), rep(5, 0.18)], "d": [rep(15, 0.06), rep(7.5, 0.12), rep(7.5, 0.12)]}
     assert speedups(per_rep, "ar")["d"] == pytest.approx(1.5)
+
+
+def test_progress_bar_names_keep_variants_apart():
+    names = ["autoregressive", "self_speculative", "self_speculative-min2", "self_speculative-min1",
+             "hf_prompt_lookup-n5", "hf_prompt_lookup_stock", "hf_assisted-n8"]
+    short = [short_name(n) for n in names]
+    assert short[:4] == ["ar", "ours", "ours-min2", "ours-min1"]
+    assert len(set(short)) == len(names)

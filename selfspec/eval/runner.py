@@ -164,7 +164,7 @@ def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings
         with open(path, "a", encoding="utf-8") as f:
             f.write("".join(json.dumps(r) + "\n" for r in new_rows))
         rows.extend(new_rows)
-        bar.set_postfix({r["method"][:12]: f"{r['tokens_per_s']:.1f}t/s" for r in new_rows})
+        bar.set_postfix({short_name(r["method"]): f"{r['tokens_per_s']:.1f}t/s" for r in new_rows})
         if on_sample:
             on_sample(new_rows)
     if skipped:
@@ -184,3 +184,14 @@ def _warm_up_prompt(lm: LoadedModel, todo: list[Sample], max_new_tokens: int) ->
         if ids and (n_ctx is None or len(ids) + max_new_tokens <= n_ctx):
             return ids
     return None
+
+
+# progress-bar names: short, and still distinct for a method's variants (<method>-<label>)
+_SHORT = {"autoregressive": "ar", "self_speculative": "ours", "hf_generate": "hf", "hf_prompt_lookup": "pld",
+          "hf_assisted": "assisted", "hf_early_exit": "early_exit"}
+
+
+def short_name(method: str) -> str:
+    """A method's name for a progress bar: ``self_speculative-min2`` -> ``ours-min2``."""
+    base, sep, label = method.partition("-")
+    return _SHORT.get(base, base) + sep + label
