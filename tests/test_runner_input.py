@@ -198,3 +198,14 @@ def test_progress_bar_names_keep_variants_apart():
     short = [short_name(n) for n in names]
     assert short[:4] == ["ar", "ours", "ours-min2", "ours-min1"]
     assert len(set(short)) == len(names)
+
+
+def test_the_console_table_keeps_long_variant_names_in_their_column(capsys):
+    from selfspec.cli.evaluate import print_summary
+
+    row = {"samples": 3, "tokens_per_s": 9.5, "speedup": 1.5, "acceptance_rate": 0.7, "mean_accepted_length": 4.2,
+           "greedy_match": 1.0, "reps": 1, "drift": float("nan")}
+    print_summary({"autoregressive": row, "self_speculative-min2-longer": row}, "autoregressive")
+    head, first, second = capsys.readouterr().out.splitlines()[:3]
+    end = head.index("samples") + len("samples")
+    assert first[end - 1] == "3" == second[end - 1] and first[end] == " " == second[end]

@@ -103,11 +103,12 @@ def _accepted(cfg: DictConfig, out_dir: Path, logger: WandbLogger, spec: DraftSp
 
 
 def print_summary(summary: dict, baseline: str) -> None:
-    print(f"{'method':<18}{'samples':>8}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc.len':>8}{'match':>7}"
+    w = max([18, *(len(m) + 2 for m in summary)])  # variants' names (self_speculative-min2) stay in their column
+    print(f"{'method':<{w}}{'samples':>8}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc.len':>8}{'match':>7}"
           f"{'passes':>7}{'drift':>7}")
     for m, s in summary.items():
         drift = "-" if s["drift"] != s["drift"] else f"{(s['drift'] - 1) * 100:+.0f}%"
-        print(f"{m:<18}{s['samples']:>8}{s['tokens_per_s']:>8.2f}{s['speedup']:>8.2f}x"
+        print(f"{m:<{w}}{s['samples']:>8}{s['tokens_per_s']:>8.2f}{s['speedup']:>8.2f}x"
               f"{s['acceptance_rate']:>8.2f}{s['mean_accepted_length']:>8.2f}{s['greedy_match']:>7.2f}"
               f"{s['reps']:>7}{drift:>7}")
     print(f"(speedup over {baseline}; match = share of samples whose output equals {baseline}'s; "
