@@ -1,0 +1,158 @@
+"""Which low-precision kernel makes a one-row draft step cheapest, and what it costs in agreement.
+
+    python scripts/draft_kernels.py [--model qwen2.5-coder-1.5b] [--layers 28] [--reps 5]
+
+Two measurements, appended as one JSON line to --out:
+
+- speed: the MLP products of Qwen2.5-Coder-1.5B (8960x1536 and 1536x8960, random weights,
+  ``--layers`` of each so that they do not fit in cache) at one input row (a draft step), through
+  the kernels a draft could use: the prepacked bf16 copy decoding verifies with, int8 weight-only
+  (``_weight_int8pack_mm``), int4 weight-only in groups of 32 and 128
+  (``_weight_int4pack_mm_for_cpu``; the draft's ``weights: int8 | int4``), and fbgemm's dynamic
+  int8 (int8 weights per output row, activations quantized per call to 8 bits with one scale
+  for the whole row: ``torch.ao.nn.quantized.dynamic.Linear``). Weights read per second, best of
+  ``--reps``, kernels in rotating order.
+- agreement: on one calibration prompt of each task set, the full model's greedy continuation
+  (``--tokens``), then one teacher-forced forward with every decoder linear through each kernel;
+  the share of positions whose argmax equals the full model's (the LM head stays bf16).
+
+The dynamic kernel is not a draft option: this script is why (see results/PERF.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from selfspec.assets.models import load_model
+from selfspec.cli.config import calibration_prompts
+from selfspec.draft.lowbit import LowPrecisionLinear, quantize, quantized_mm
+from selfspec.draft.packed import LinearWrapper, PackedLinear
+from selfspec.draft.wrap import wrap_descendants
+from selfspec.engine.decoding import DecodeConfig, autoregressive
+from selfspec.provenance import git_commit, machine_fingerprint
+
+LOW = {"int8": ("int8", 0), "int4-g32": ("int4", 32), "int4-g128": ("int4", 128)}
+
+
+class DynamicInt8Linear(LinearWrapper):
+    """A linear of one model instance through fbgemm's dynamic int8 kernel while ``active``."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__(inner)
+        import torch.ao.nn.quantized.dynamic as nnqd
+
+        ref = nn.Linear(inner.in_features, inner.out_features, bias=inner.bias is not None)
+        ref.weight.data = inner.weight.detach().float()
+        if inner.bias is not None:
+            ref.bias.data = inner.bias.detach().float()
+        ref.qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+        with warnings.catch_warnings():  # quantized tensors are deprecated in torch 2.13; the kernel still runs
+            warnings.simplefilter("ignore")
+            self.q = nnqd.Linear.from_float(ref)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return self.inner(x)
+        return self.q(x.float()).to(x.dtype)
+
+
+def speeds(layers: int, reps: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for _ in range(layers) for n, k in ((8960, 1536), (1536, 8960))]
+    calls: dict[str, list] = {"bf16 packed": [], "int8 dynamic (fbgemm)": []}
+    calls.update({name: [] for name in LOW})
+    for w in weights:
+        x = torch.randn(1, w.shape[1], dtype=torch.bfloat16)
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+        lin.weight.data = w
+        packed = PackedLinear(lin)
+        packed.active = True
+        calls["bf16 packed"].append((packed, x))
+        dyn = DynamicInt8Linear(lin)
+        dyn.active = True
+        calls["int8 dynamic (fbgemm)"].append((dyn, x))
+        for name, (kind, group) in LOW.items():
+            q, s = quantize(w, kind, group or 32)
+            calls[name].append((lambda x, kind=kind, group=group or 32, q=q, s=s: quantized_mm(x, kind, group, q, s), x))
+    n_weights = sum(w.numel() for w in weights)
+    best = {name: float("inf") for name in calls}
+    names = list(calls)
+    with torch.inference_mode():
+        for rep in range(reps + 1):
+            for name in names[rep % len(names):] + names[: rep % len(names)]:
+                t0 = time.perf_counter()
+                for f, x in calls[name]:
+                    f(x)
+                if rep:  # repetition 0 is the warm-up
+                    best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: round(n_weights / t / 1e9, 1) for name, t in best.items()}
+
+
+def agreement(model_name: str, tokens: int) -> dict[str, float]:
+    lm = load_model(model_name)
+    model = lm.model
+    prompts = calibration_prompts(lm.tokenizer, ["humaneval", "gsm8k", "mtbench", "summarization"], 1)
+    seqs = []
+    with torch.inference_mode():
+        for p in prompts:
+            cont = autoregressive(model, p, DecodeConfig(max_new_tokens=tokens), lm.eos_ids).tokens
+            seqs.append((len(p), torch.tensor([p + cont])))
+        ref = [model(ids).logits[0, n - 1 : -1].argmax(-1) for n, ids in seqs]
+    layers = model.model.layers
+    low = wrap_descendants(layers, LowPrecisionLinear, match=lambda m: isinstance(m, nn.Linear),
+                           make=lambda m: LowPrecisionLinear(m, "int8", 32), on_existing=lambda m: None)
+    out = {}
+    variants = [(name, kind, group) for name, (kind, group) in LOW.items()] + [("int8 dynamic (fbgemm)", None, 0)]
+    for name, kind, group in variants:
+        if kind is None:
+            for m in low:
+                m.active = False
+            dyn = wrap_descendants(layers, DynamicInt8Linear, match=lambda m: isinstance(m, LowPrecisionLinear),
+                                   make=DynamicInt8Linear, on_existing=lambda m: None)
+            active = dyn
+        else:
+            for m in low:
+                m.configure(kind, group or 32)
+            active = low
+        for m in active:
+            m.active = True
+        with torch.inference_mode():
+            hits = total = 0
+            for (n, ids), r in zip(seqs, ref):
+                top = model(ids).logits[0, n - 1 : -1].argmax(-1)
+                hits += int((top == r).sum())
+                total += r.numel()
+        for m in active:
+            m.active = False
+        out[name] = round(hits / total, 3)
+        print(f"{name:24s} argmax agrees with the full model on {out[name]:.3f} of {total} positions", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--out", default="results/draft_kernels.jsonl")
+    args = ap.parse_args()
+    rates = speeds(args.layers, args.reps)
+    for name, r in rates.items():
+        print(f"{name:24s} {r:6.1f} G weights/s at one row", flush=True)
+    agree = agreement(args.model, args.tokens)
+    row = {"model": args.model, "layers": args.layers, "reps": args.reps, "tokens": args.tokens,
+           "g_weights_per_s": rates, "argmax_agreement": agree, "torch": torch.__version__,
+           "machine": machine_fingerprint(), "commit": git_commit()}
+    with open(args.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
