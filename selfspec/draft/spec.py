@@ -45,13 +45,17 @@ class DraftSpec:
     def key(self) -> tuple:
         """What makes two drafts the same draft (not what was measured)."""
         o = self.options
-        return (self.plan.attn, self.plan.mlp, o.weights, o.group_size if o.weights == "int4" else 0,
-                o.head_tokens, o.ngram, o.copy_tokens if o.ngram else 0, self.k, self.adaptive,
-                round(self.threshold, 3) if self.adaptive else None,
-                (o.copy_candidates if o.ngram else 1, round(o.branch_below, 3), o.tree_nodes, o.copy_fallback)
-                if o.tree else None) + ((o.head_weights, o.group_size if o.head_weights == "int4" else 0)
-                                    if o.head_weights != "model" else ()) + ((("min_ngram", o.min_ngram),)
-                                                                            if o.ngram and o.min_ngram else ())
+        key = (self.plan.attn, self.plan.mlp, o.weights, o.group_size if o.weights == "int4" else 0,
+               o.head_tokens, o.ngram, o.copy_tokens if o.ngram else 0, self.k, self.adaptive,
+               round(self.threshold, 3) if self.adaptive else None,
+               (o.copy_candidates if o.ngram else 1, round(o.branch_below, 3), o.tree_nodes, o.copy_fallback)
+               if o.tree else None)
+        # options added later join only when set, so the keys of older drafts stay as they were
+        if o.head_weights != "model":
+            key += (o.head_weights, o.group_size if o.head_weights == "int4" else 0)
+        if o.ngram and o.min_ngram:
+            key += (("min_ngram", o.min_ngram),)
+        return key
 
     def describe(self) -> str:
         o = self.options
