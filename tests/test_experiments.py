@@ -341,6 +341,33 @@ def test_tables_show_each_pass_and_the_drift_of_a_run_of_several_passes(tmp_path
     assert "passes" not in to_markdown([dict(ar, reps=1, pass_speedups=None, drift=float("nan"))])
 
 
+def test_tables_compare_our_methods_with_the_fastest_peer_paired_by_prompt(tmp_path):
+    methods = ["autoregressive", "self_speculative", "hf_prompt_lookup-n5", "hf_assisted-n8"]
+    head = {"type": "header", "model": "m", "dataset": "d", "baseline": "autoregressive",
+            "fingerprint": {"methods": methods, "decode": {m: {"k": 3} for m in methods},
+                            "method_info": {m: {"kernels": "packed"} for m in methods[2:]}}}
+    # per prompt a, b: AR 10 tokens in 2 s and 4 s; ours in 1 s and 1 s; prompt lookup (the faster peer)
+    # in 0.5 s and 2 s; assisted in 1.5 s and 3 s
+    times = {"autoregressive": (2.0, 4.0), "self_speculative": (1.0, 1.0), "hf_prompt_lookup-n5": (0.5, 2.0),
+             "hf_assisted-n8": (1.5, 3.0)}
+    rows = [_row(s, m, 10, t[i]) for m, t in times.items() for i, s in enumerate("ab")]
+    f = tmp_path / "runs" / "exp" / "m" / "d" / "samples.jsonl"
+    f.parent.mkdir(parents=True)
+    f.write_text("".join(json.dumps(r) + "\n" for r in [head] + rows))
+    got = {r["method"]: r for r in write_tables(load_runs(tmp_path / "runs"), tmp_path / "tables")["exp"]}
+    ours = got["self_speculative"]
+    assert ours["peer"] == "hf_prompt_lookup-n5" and ours["over_peer"] == pytest.approx(2.5 / 2.0)
+    # draws: {a,a} 0.5x, {a,b} 1.25x, {b,b} 2x: the 2.5% and 97.5% points
+    assert ours["over_peer_ci95"] == pytest.approx([0.5, 2.0])
+    assert all("over_peer" not in got[m] for m in ("autoregressive", "hf_prompt_lookup-n5", "hf_assisted-n8"))
+    md = (tmp_path / "tables" / "exp.md").read_text()
+    assert "| over fastest peer (95%) |" in md and "| 1.25x (0.50-2.00) over hf_prompt_lookup-n5 |" in md
+    lines = (tmp_path / "tables" / "exp.csv").read_text().splitlines()
+    assert lines[0].endswith(",peer,over_peer_lo95,over_peer_hi95") and ",hf_prompt_lookup-n5,0.5," in lines[2]
+    # a run with no peer keeps its old columns
+    assert "peer" not in to_markdown([dict(ours, over_peer=None)])
+
+
 def test_mix_takes_calibration_rows_of_each_part_and_never_their_eval_rows():
     part = lambda name, n: {"name": name, "source": "inline", "calibration": [f"{name} c{i}" for i in range(n)],  # noqa: E731
                             "eval": [f"{name} e{i}" for i in range(3)]}

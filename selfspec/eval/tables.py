@@ -8,7 +8,8 @@ sublayers the plan skips, acceptance rate, mean accepted length, tokens/s,
 speedup over the run's baseline, the share of samples whose output equals
 the baseline's, task quality where the rows carry references (HumanEval pass@1,
 GSM8K accuracy) and ROUGE-L agreement with the baseline's outputs
-(:mod:`selfspec.eval.quality`). Figures (PNG, ``--figures``): speedup and acceptance versus
+(:mod:`selfspec.eval.quality`), and, where our methods ran beside transformers' methods, each of
+ours over the run's fastest peer with a paired-bootstrap interval. Figures (PNG, ``--figures``): speedup and acceptance versus
 the number of skipped sublayers, acceptance by draft position, and the
 search history of every Optuna study under ``--studies``. Every number is
 computed here from the raw rows; nothing is typed by hand. A run whose folder
@@ -25,12 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.eval.quality import quality
-from selfspec.eval.records import read_jsonl, summarize
+from selfspec.eval.records import paired_bootstrap, read_jsonl, summarize
 
 COLUMNS = ["model", "dataset", "variant", "method", "kernels", "samples", "attn_skipped", "mlp_skipped", "k",
            "acceptance_rate", "mean_accepted_length", "tokens_per_s", "speedup", "greedy_match", "task_quality",
-           "rouge_l", "ttft_s", "tpot_s", "latency_p99_s", "extra_memory_mb", "reps", "pass_speedups", "drift"]
+           "rouge_l", "ttft_s", "tpot_s", "latency_p99_s", "extra_memory_mb", "reps", "pass_speedups", "drift", "over_peer"]
 PASS_COLUMNS = ("reps", "pass_speedups", "drift")  # shown only in a table with a run of several passes
+PEER_COLUMNS = ("over_peer",)  # shown only in a table where our methods ran beside a transformers method
 COMPARED = ["autoregressive", "self_speculative", "self_speculative-tree", "hf_generate", "hf_prompt_lookup",
             "hf_prompt_lookup-n5", "hf_assisted", "hf_assisted-n8", "hf_early_exit", "hf_generate_stock",
             "hf_prompt_lookup_stock", "hf_assisted_stock", "hf_early_exit_stock"]
@@ -41,7 +43,7 @@ HEADERS = {"model": "model", "dataset": "dataset", "variant": "run", "method": "
            "greedy_match": "match AR", "task_quality": "quality", "rouge_l": "ROUGE-L vs AR",
            "ttft_s": "TTFT s", "tpot_s": "TPOT s", "latency_p99_s": "P99 s",
            "extra_memory_mb": "extra MB", "reps": "passes", "pass_speedups": "speedup per pass",
-           "drift": "drift"}
+           "drift": "drift", "over_peer": "over fastest peer (95%)"}
 
 
 @dataclass
@@ -85,9 +87,7 @@ def table_rows(run: Run) -> list[dict]:
         task = next(((k, q[k]) for k in ("pass@1", "accuracy") if k in q), None)
         out.append({
             "model": run.model, "dataset": run.dataset, "variant": run.variant,
-            # a transformers method of a run older than the packed variants ran on stock kernels: named so
-            "method": f"{method}_stock" if kernels == "stock" and method.startswith("hf_")
-                      and not method.endswith("_stock") else method,
+            "method": _shown_name(method, kernels),
             "kernels": kernels, "samples": s["samples"],
             "attn_skipped": len(plan["attn"]) if plan else None,
             "mlp_skipped": len(plan["mlp"]) if plan else None,
@@ -104,8 +104,29 @@ def table_rows(run: Run) -> list[dict]:
             "reps": s["reps"],
             "pass_speedups": s["speedup_reps"] if method != baseline and s["reps"] > 1 else None,
             "drift": s["drift"],
+            **_over_peer(method, summary, run.rows, baseline, fp),
         })
     return out
+
+
+def _shown_name(method: str, kernels: str) -> str:
+    """A transformers method of a run older than the packed variants ran on stock kernels: named so."""
+    return f"{method}_stock" if kernels == "stock" and method.startswith("hf_") and not method.endswith("_stock") \
+        else method
+
+
+def _over_peer(method: str, summary: dict[str, dict], rows: list[dict], baseline: str, fp: dict) -> dict:
+    """For one of our methods (not the baseline): its tokens/s over the fastest transformers method
+    of the same run, with a paired-bootstrap 95% interval over the prompts both decoded; the
+    direct test of "ahead of every peer" (two intervals against AR can overlap while this one
+    stays above 1). Empty for the baseline, the peers and a run with no peer."""
+    peers = [m for m in summary if m.startswith("hf_")]
+    if method == baseline or method.startswith("hf_") or not peers:
+        return {}
+    peer = max(peers, key=lambda m: summary[m]["tokens_per_s"])
+    ci = paired_bootstrap([r for r in rows if r["method"] == method], [r for r in rows if r["method"] == peer])
+    return {"peer": _shown_name(peer, _kernels(fp, peer)),
+            "over_peer": summary[method]["tokens_per_s"] / summary[peer]["tokens_per_s"], "over_peer_ci95": list(ci)}
 
 
 def _kernels(fp: dict, method: str) -> str:
@@ -128,13 +149,23 @@ def _speedup(r: dict) -> str:
 
 def _cell(r: dict, key: str) -> str:
     """A table row's column as printed (the speedup with its interval)."""
-    return _speedup(r) if key == "speedup" else _fmt(key, r[key])
+    if key == "speedup":
+        return _speedup(r)
+    if key == "over_peer":
+        if r.get("over_peer") is None:
+            return "-"
+        lo, hi = r["over_peer_ci95"]
+        ci = "" if math.isnan(lo) else f" ({lo:.2f}-{hi:.2f})"
+        return f"{r['over_peer']:.2f}x{ci} over {r['peer']}"
+    return _fmt(key, r.get(key))
 
 
 def columns_of(rows: list[dict]) -> list[str]:
-    """The table's columns: the pass columns only where some run decoded its samples more than once."""
+    """The table's columns: the pass columns only where some run decoded its samples more than once,
+    the peer column only where some row has a peer."""
     several = any((r.get("reps") or 1) > 1 for r in rows)
-    return [c for c in COLUMNS if several or c not in PASS_COLUMNS]
+    peers = any(r.get("over_peer") is not None for r in rows)
+    return [c for c in COLUMNS if (several or c not in PASS_COLUMNS) and (peers or c not in PEER_COLUMNS)]
 
 
 def _fmt(key: str, v) -> str:
@@ -177,13 +208,17 @@ def to_latex(rows: list[dict]) -> str:
 def to_csv(rows: list[dict]) -> str:
     buf = io.StringIO()
     cols = columns_of(rows)
-    w = csv.DictWriter(buf, fieldnames=[*cols, "speedup_lo95", "speedup_hi95"], extrasaction="ignore",
+    peer = ["peer", "over_peer_lo95", "over_peer_hi95"] if "over_peer" in cols else []
+    w = csv.DictWriter(buf, fieldnames=[*cols, "speedup_lo95", "speedup_hi95", *peer], extrasaction="ignore",
                        lineterminator="\n")
     w.writeheader()
     for r in rows:
         ci = r.get("speedup_ci95") or ["", ""]
-        cells = {c: ("" if r[c] is None else " ".join(f"{x:.4f}" for x in r[c]) if c == "pass_speedups" else r[c])
+        cells = {c: ("" if r.get(c) is None else " ".join(f"{x:.4f}" for x in r[c]) if c == "pass_speedups" else r[c])
                  for c in cols}
+        if peer:
+            lo, hi = r.get("over_peer_ci95") or ["", ""]
+            cells.update(peer=r.get("peer", ""), over_peer_lo95=lo, over_peer_hi95=hi)
         w.writerow({**cells, "speedup_lo95": ci[0], "speedup_hi95": ci[1]})
     return buf.getvalue()
 
