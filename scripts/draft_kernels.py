@@ -37,7 +37,8 @@ from selfspec.draft.wrap import wrap_descendants
 from selfspec.engine.decoding import DecodeConfig, autoregressive
 from selfspec.provenance import git_commit, machine_fingerprint
 
-LOW = {"int8": ("int8", 0), "int4-g32": ("int4", 32), "int4-g128": ("int4", 128)}
+# name -> (format, group size); int8 has one scale per row, so its group size goes unused
+LOW = {"int8": ("int8", 32), "int4-g32": ("int4", 32), "int4-g128": ("int4", 128)}
 
 
 class DynamicInt8Linear(LinearWrapper):
@@ -78,8 +79,8 @@ def speeds(layers: int, reps: int) -> dict[str, float]:
         dyn.active = True
         calls["int8 dynamic (fbgemm)"].append((dyn, x))
         for name, (kind, group) in LOW.items():
-            q, s = quantize(w, kind, group or 32)
-            calls[name].append((lambda x, kind=kind, group=group or 32, q=q, s=s: quantized_mm(x, kind, group, q, s), x))
+            q, s = quantize(w, kind, group)
+            calls[name].append((lambda x, kind=kind, group=group, q=q, s=s: quantized_mm(x, kind, group, q, s), x))
     n_weights = sum(w.numel() for w in weights)
     best = {name: float("inf") for name in calls}
     names = list(calls)
@@ -118,7 +119,7 @@ def agreement(model_name: str, tokens: int) -> dict[str, float]:
             active = dyn
         else:
             for m in low:
-                m.configure(kind, group or 32)
+                m.configure(kind, group)
             active = low
         for m in active:
             m.active = True

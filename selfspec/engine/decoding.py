@@ -338,8 +338,6 @@ class Speculator:
         run = self.run
         self.ngram.extend(run.out[len(self.ngram.tokens) - run.prompt.numel():])  # catch up with the context
         drafts = self.ngram.propose(k)
-        if drafts and self.ngram.matched < self.ngram.n:
-            run.stats.short_copy_rounds += 1
         # the proposal distribution is a point mass
         qs = [] if self.cfg.sampling.greedy else [self.point_mass(t) for t in drafts]
         return drafts, qs
@@ -508,6 +506,7 @@ class Speculator:
         copied = bool(drafts)
         if copied:
             stats.copy_rounds += 1
+            stats.short_copy_rounds += self.ngram.matched < self.ngram.n
         elif not self.model_draft_pays():
             self.gated_step()
             return
