@@ -33,11 +33,16 @@ def _cpu_name() -> str:
 
 
 def machine_fingerprint() -> dict:
-    """What makes timings of one machine incomparable with another's: CPU, cores, threads, torch."""
+    """What makes timings of one machine incomparable with another's: CPU, its vector ISA, cores, threads, torch.
+
+    The ISA (torch's CPU capability: AVX2, AVX512, ...) tells apart CPUs that report the same name
+    (a virtual machine's "AMD EPYC" may be a Zen 3 with AVX2 or a Zen 4 with AVX-512), and it decides
+    which kernels run (bf16 prepacking needs AVX-512).
+    """
     import torch
 
-    return {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    return {"cpu": _cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def provenance(extra: dict | None = None) -> dict:
@@ -56,6 +61,7 @@ def provenance(extra: dict | None = None) -> dict:
         "python": platform.python_version(),
         "machine": {
             "cpu": _cpu_name(),
+            "isa": torch.backends.cpu.get_cpu_capability(),
             "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

@@ -1,4 +1,8 @@
-"""Prepacked bf16 weights: the same numbers and tokens as the stock linears, used only inside the block."""
+"""Prepacked bf16 weights: the same numbers and tokens as the stock linears, used only inside the block.
+
+Tests that pack run where oneDNN can pack bf16 (AVX-512 or AVX-NE-CONVERT); the fallback to the stock
+kernels is tested everywhere, by telling the code that this CPU cannot pack.
+"""
 
 from dataclasses import replace
 
@@ -8,14 +12,16 @@ import torch
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.assets.models import LoadedModel
 from selfspec.assets.tiny import tiny_model
+from selfspec.draft import packed as packed_module
 from selfspec.draft.lowbit import LowPrecisionLinear
-from selfspec.draft.packed import PackedLinear, weight_packer
+from selfspec.draft.packed import PackedLinear, packing_supported, weight_packer
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.errors import SelfSpecError
 from selfspec.eval.methods import build_method
 from tests.conftest import PROMPT
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
+needs_packing = pytest.mark.skipif(not packing_supported(), reason="this CPU's oneDNN cannot prepack bf16 weights "
+                                   "(that needs AVX-512 bw/vl/dq or AVX-NE-CONVERT)")
 
 PLAN = SkipPlan(4, attn=(1,), mlp=(2,))
 
@@ -24,6 +30,7 @@ def _bf16(arch="qwen2"):
     return tiny_model(arch, dtype=torch.bfloat16, vocab_size=96)  # fresh: packing wraps modules in place
 
 
+@needs_packing
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_packed_logits_are_bit_identical_and_only_inside_the_block(arch):
     model = _bf16(arch)
@@ -43,6 +50,7 @@ def test_packed_logits_are_bit_identical_and_only_inside_the_block(arch):
     assert torch.equal(before, inside)
 
 
+@needs_packing
 def test_packed_blocks_nest_and_switch_off_on_error():
     packer = weight_packer(_bf16())
     with pytest.raises(ValueError):
@@ -54,6 +62,7 @@ def test_packed_blocks_nest_and_switch_off_on_error():
     assert not any(lin.active for lin in packer.linears)
 
 
+@needs_packing
 def test_autoregressive_tokens_do_not_depend_on_packing():
     model = _bf16()
     cfg = DecodeConfig(max_new_tokens=40)
@@ -71,6 +80,7 @@ def test_fp32_weights_are_left_as_loaded():
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
+@needs_packing
 @pytest.mark.parametrize("pack_first", [True, False])
 def test_draft_copies_wrap_the_packed_linears_in_either_order(pack_first):
     model = _bf16()
@@ -94,6 +104,7 @@ def test_draft_copies_wrap_the_packed_linears_in_either_order(pack_first):
     assert sp.tokens == ar.tokens
 
 
+@needs_packing
 def test_methods_report_the_packed_copies_as_extra_memory():
     model = _bf16()
     lm = LoadedModel(name="tiny", model=model, tokenizer=None, eos_ids=frozenset({2}), source="tiny", info={})
@@ -109,6 +120,7 @@ def _dense_weights(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+@needs_packing
 def test_packed_only_frees_the_dense_weights_and_computes_the_same():
     model = _bf16()
     dense = _dense_weights(model)
@@ -133,6 +145,7 @@ def test_packed_only_frees_the_dense_weights_and_computes_the_same():
     assert packer.extra_bytes == sum(lin.weight.numel() * 2 for lin in packer.linears)
 
 
+@needs_packing
 def test_packed_only_keeps_a_tied_weight_dense():
     model = tiny_model("qwen2", dtype=torch.bfloat16, vocab_size=96, tie_embeddings=True)
     packer = weight_packer(model, keep_dense=False)
@@ -141,6 +154,7 @@ def test_packed_only_keeps_a_tied_weight_dense():
     assert all(not lin.dense for lin in packer.linears if lin is not head)
 
 
+@needs_packing
 def test_draft_built_on_freed_weights_equals_the_draft_built_on_dense_ones():
     x = torch.tensor([PROMPT])
     logits = []
@@ -155,6 +169,7 @@ def test_draft_built_on_freed_weights_equals_the_draft_built_on_dense_ones():
     assert torch.equal(logits[0], logits[1])
 
 
+@needs_packing
 def test_packed_only_decodes_the_same_tokens_and_reports_no_copies():
     model = _bf16()
     lm = LoadedModel(name="tiny", model=model, tokenizer=None, eos_ids=frozenset({2}), source="tiny", info={})
@@ -179,6 +194,7 @@ def test_packed_only_needs_packed_weights():
         DecodeConfig(packed_weights=False, packed_only=True)
 
 
+@needs_packing
 def test_transformers_methods_run_on_our_kernels_or_on_stock_ones_with_the_same_tokens():
     from selfspec.assets.models import load_model
 
@@ -255,3 +271,31 @@ def test_bad_draft_length_options_are_refused(options, message):
     lm = load_model("tiny-llama", dtype="bfloat16")
     with pytest.raises(SelfSpecError, match=message):
         build_method("hf_early_exit", lm, DecodeConfig(max_new_tokens=4), options=options)
+
+
+def test_a_cpu_that_cannot_pack_bf16_runs_every_method_on_the_stock_kernels(monkeypatch, capsys):
+    from selfspec.eval import records
+
+    for module in (packed_module, records):
+        monkeypatch.setattr(module, "packing_supported", lambda: False)
+    packed_module._say_unpacked.cache_clear()
+    model = _bf16()
+    lm = LoadedModel(name="tiny", model=model, tokenizer=None, eos_ids=frozenset({2}), source="tiny", info={})
+    cfg = DecodeConfig(max_new_tokens=24, k=3, fallback=False)
+    ar = build_method("autoregressive", lm, cfg)
+    assert weight_packer(model).linears == [] and ar.extra_memory_bytes == 0
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert "cannot prepack bf16" in capsys.readouterr().err  # said once, on stderr
+    spec = build_method("self_speculative", lm, cfg, PLAN, {"weights": "int4"})
+    plain = autoregressive(model, PROMPT + PROMPT, replace(cfg, packed_weights=False))
+    assert ar.generate(PROMPT + PROMPT).tokens == plain.tokens == spec.generate(PROMPT + PROMPT).tokens
+    assert "packed_weights" not in records.decode_record(cfg)  # recorded as it ran: on the weights as loaded
+    assert packed_module.kernels_label(True) == "stock" and packed_module.kernels_label(False) == "stock"
+
+
+@needs_packing
+def test_a_cpu_that_packs_bf16_records_the_packed_kernels():
+    from selfspec.eval.records import decode_record
+
+    assert decode_record(DecodeConfig())["packed_weights"] is True
+    assert packed_module.kernels_label(True) == "packed" and packed_module.kernels_label(False) == "stock"

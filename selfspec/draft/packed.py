@@ -17,7 +17,10 @@ autoregressive baseline and self-speculative decoding share the same forward
 path. Outside the block every linear computes exactly as before (the
 transformers baselines in the same process run the stock model). The copies
 are extra memory (:attr:`WeightPacker.extra_bytes`); only bf16 weights on CPU
-are packed, everything else runs as loaded.
+are packed, everything else runs as loaded. oneDNN prepacks bf16 only on CPUs
+with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT (:func:`packing_supported`); on
+others (an AVX2-only CPU) nothing is packed and every method runs on the stock
+kernels, said once on stderr and recorded with each method (``kernels``).
 
 ``keep_dense=False`` frees the dense weights once packed; only the packed
 copies of weights that must stay dense are then extra: a weight shared with
@@ -32,6 +35,8 @@ that the mapping, and the freed weights' pages, can go.
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -41,9 +46,29 @@ from torch import nn
 from selfspec.draft.wrap import instance_state, wrap_descendants
 
 
+@functools.cache
+def packing_supported() -> bool:
+    """Whether oneDNN can prepack bf16 weights on this CPU (it needs AVX-512 bw/vl/dq or AVX-NE-CONVERT).
+
+    Asked of oneDNN itself, once per process, by packing a tiny weight: the rule is oneDNN's, not ours to copy.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether this weight gets a packed copy: bf16 on a CPU with oneDNN."""
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    """Whether this weight gets a packed copy: bf16 on a CPU whose oneDNN packs bf16."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and packing_supported()
+
+
+def kernels_label(packed: bool) -> str:
+    """What a method computes on: ``packed`` (our prepacked weights) or ``stock`` (the model as loaded)."""
+    return "packed" if packed and packing_supported() else "stock"
 
 
 class LinearWrapper(nn.Module):
@@ -116,6 +141,9 @@ class WeightPacker:
         self.model = model
         self.keeps_dense = keep_dense
         self.linears: list[PackedLinear] = _wrap(model, keep_dense)
+        if not self.linears and not packing_supported() and any(
+                p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters()):
+            _say_unpacked()
         self.depth = 0
         if not keep_dense:
             _unmap_checkpoint(model)
@@ -149,6 +177,12 @@ class WeightPacker:
             if self.depth == 0:
                 for lin in self.linears:
                     lin.active = False
+
+
+@functools.cache
+def _say_unpacked() -> None:
+    print(f"[selfspec] this CPU ({torch.backends.cpu.get_cpu_capability()}) cannot prepack bf16 weights for oneDNN "
+          "(that needs AVX-512 or AVX-NE-CONVERT): every method runs on the stock kernels", file=sys.stderr)
 
 
 def _wrap(model: nn.Module, keep_dense: bool) -> list[PackedLinear]:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from selfspec.assets.models import LoadedModel, load_model
-from selfspec.draft.packed import weight_packer
+from selfspec.draft.packed import kernels_label, weight_packer
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.plan import SkipPlan
 from selfspec.engine.decoding import (
@@ -144,7 +144,7 @@ def _hf(name: str, lm: LoadedModel, cfg: DecodeConfig, kwargs: dict, stock: bool
         run = _with_generation_settings(run, drafter.generation_config, length.generation_settings())
         info = {**(info or {}), **length.record()}
     return Method(full, run, cfg, extra_memory_bytes=extra,
-                  info={**(info or {}), "kernels": "packed" if packed else "stock"})
+                  info={**(info or {}), "kernels": kernels_label(packed)})
 
 
 def _with_generation_settings(run, config, settings: dict):

@@ -347,7 +347,8 @@ def _calibration(study: optuna.Study, storage, lm: LoadedModel, calib_ids: list[
     old = note.get("remeasured")
     cost_note = "cost model measured on this machine" if old is None else (
         f"cost model re-measured on this machine; trials were re-scored with it "
-        f"(it was measured on {old.get('cpu', '?')}, {old.get('cores', '?')} cores, torch {old.get('torch', '?')})")
+        f"(it was measured on {old.get('cpu', '?')} ({old.get('isa', 'ISA not recorded')}), {old.get('cores', '?')} cores, "
+        f"torch {old.get('torch', '?')})")
     return saved["continuations"], costs, cost_note
 
 
