@@ -164,7 +164,7 @@ def test_a_failed_job_does_not_stop_the_sweep_but_sets_its_exit_status(tmp_path,
     assert p.returncode == 0, p.stderr[-3000:]  # an earlier sweep's failure is not this one's
 
 
-@pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
+@pytest.mark.parametrize("launcher", ["joblib", pytest.param("submitit_local", marks=pytest.mark.slow)])
 def test_sweeps_on_parallel_launchers(tmp_path, tiny_plan, launcher):
     runs = tmp_path / "runs"
     extra = ["hydra.launcher.n_jobs=2"] if launcher == "joblib" else [
@@ -238,7 +238,10 @@ def test_tables_mark_a_failed_partial_run(tmp_path, tiny_plan):
     assert method_comparison({"x": rows}, ["x"]) == []
 
 
-def test_runs_recorded_before_packed_weights_resume_with_them_off():
+def test_runs_recorded_before_packed_weights_resume_with_them_off(monkeypatch):
+    from selfspec.eval import records
+
+    monkeypatch.setattr(records, "packing_supported", lambda: True)  # as on a CPU that packs (on AVX2: tests/test_packed.py)
     assert "packed_weights" not in decode_record(DecodeConfig(packed_weights=False))
     rec = decode_record(DecodeConfig())
     assert rec["packed_weights"] is True and rec["k"] == DecodeConfig().k

@@ -354,8 +354,9 @@ def test_a_torn_calibration_file_of_an_older_study_is_calibrated_again(tmp_path)
     assert _study(tmp_path).user_attrs["calibration_data"]["continuations"] == saved["continuations"]
 
 
-@pytest.mark.parametrize("override, message", [("search.max_skipped=2", "searched another space"),
-                                               ("search.objective=wallclock", "was scored by objective")])
+@pytest.mark.parametrize("override, message", [
+    pytest.param("search.max_skipped=2", "searched another space", marks=pytest.mark.slow),
+    ("search.objective=wallclock", "was scored by objective")])
 def test_cli_refuses_to_resume_under_other_scoring_settings(tmp_path, override, message):
     assert _cli(tmp_path, "logger=none", "search.n_trials=2").wait(timeout=300) == 0
     _, err = _cli(tmp_path, "logger=none", "search.n_trials=3", override).communicate(timeout=300)
@@ -370,7 +371,7 @@ def test_a_study_of_the_older_format_is_refused(tmp_path):
     assert "made by an older selfspec" in err
 
 
-@pytest.mark.parametrize("storage", ["study.db", "study.journal"])
+@pytest.mark.parametrize("storage", ["study.db", pytest.param("study.journal", marks=pytest.mark.slow)])
 def test_two_workers_share_one_study(tmp_path, storage):
     """Two search processes on one study: one calibration, the budget kept, one draft written."""
     common = ["logger=none", "search.n_trials=24", f"search.storage={tmp_path}/optuna/{storage}"]
