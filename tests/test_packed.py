@@ -276,8 +276,9 @@ def test_bad_draft_length_options_are_refused(options, message):
 def test_a_cpu_that_cannot_pack_bf16_runs_every_method_on_the_stock_kernels(monkeypatch, capsys):
     from selfspec.eval import records
 
+    monkeypatch.setattr(packed_module, "packing_supported", lambda: False)
     for module in (packed_module, records):
-        monkeypatch.setattr(module, "packing_supported", lambda: False)
+        monkeypatch.setattr(module, "pack_format", lambda: None)
     packed_module._say_unpacked.cache_clear()
     model = _bf16()
     lm = LoadedModel(name="tiny", model=model, tokenizer=None, eos_ids=frozenset({2}), source="tiny", info={})
@@ -299,3 +300,40 @@ def test_a_cpu_that_packs_bf16_records_the_packed_kernels():
 
     assert decode_record(DecodeConfig())["packed_weights"] is True
     assert packed_module.kernels_label(True) == "packed" and packed_module.kernels_label(False) == "stock"
+
+
+def test_where_bf16_cannot_be_packed_forwards_of_three_rows_or_more_run_on_fp32_copies(monkeypatch, capsys):
+    from selfspec.eval import records
+
+    monkeypatch.setattr(packed_module, "packing_supported", lambda: False)
+    for module in (packed_module, records):
+        monkeypatch.setattr(module, "pack_format", lambda: "fp32")
+    packed_module._say_unpacked.cache_clear()
+    model = _bf16()
+    dense = _dense_weights(model)
+    packer = weight_packer(model)
+    assert "fp32 copies" in capsys.readouterr().err
+    assert packer.linears and all(lin.fp32 for lin in packer.linears)
+    assert packer.extra_bytes == sum(lin.weight.numel() * 4 for lin in packer.linears)  # fp32: twice the bf16 bytes
+    lin = packer.linears[0]
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 7):
+            x = torch.randn(1, rows, lin.in_features, dtype=torch.bfloat16)
+            stock = lin.inner(x)
+            with packer.packed():
+                got = lin(x)
+            assert got.dtype == torch.bfloat16 and got.shape == stock.shape
+            if rows < packed_module.FP32_MIN_ROWS:
+                assert torch.equal(got, stock)  # the stock bf16 kernel
+            else:  # the bf16 values in fp32, rounded back: the same numbers up to the order of the sums
+                want = torch.nn.functional.linear(x.float(), lin.inner.weight.float()).to(torch.bfloat16)
+                torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    cfg = DecodeConfig(max_new_tokens=24, k=3, fallback=False)
+    assert autoregressive(model, PROMPT, replace(cfg, rows=1)).tokens == \
+        autoregressive(model, PROMPT, replace(cfg, rows=1, packed_weights=False)).tokens  # one-row steps: stock
+    assert records.decode_record(cfg)["packed_weights"] == "fp32"
+    assert packed_module.kernels_label(True) == "packed fp32"
+    packer.keep_dense(False)  # the bf16 weights rebuilt from the fp32 copies are exact
+    packer.keep_dense(True)
+    restored = {n.replace(".inner", ""): p for n, p in model.named_parameters()}
+    assert all(torch.equal(restored[n], dense[n]) and restored[n].dtype == torch.bfloat16 for n in dense)

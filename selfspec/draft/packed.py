@@ -17,10 +17,19 @@ autoregressive baseline and self-speculative decoding share the same forward
 path. Outside the block every linear computes exactly as before (the
 transformers baselines in the same process run the stock model). The copies
 are extra memory (:attr:`WeightPacker.extra_bytes`); only bf16 weights on CPU
-are packed, everything else runs as loaded. oneDNN prepacks bf16 only on CPUs
-with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT (:func:`packing_supported`); on
-others (an AVX2-only CPU) nothing is packed and every method runs on the stock
-kernels, said once on stderr and recorded with each method (``kernels``).
+are packed, everything else runs as loaded.
+
+oneDNN prepacks bf16 only on CPUs with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT
+(:func:`packing_supported`). On others (an AVX2-only CPU, e.g. a Zen 3 EPYC) the
+stock bf16 kernel reads one row fast but costs about as much per extra row as
+for the first (a 6-row forward of the 1.5B ran 4.3x a one-row step there), which
+would make every verify pass as dear as several plain steps. There
+(:func:`pack_format` ``fp32``) each bf16 weight gets an fp32 copy prepacked for
+oneDNN's fp32 kernel, used for inputs of three or more rows (the bf16 values
+exactly, accumulated in fp32, rounded back to bf16: the same numbers up to the
+order of the sums); inputs of one or two rows keep the stock bf16 kernel, faster there.
+The copies take twice the bf16 weights' memory. Each method records which
+kernels it ran on (``kernels``), and a line on stderr says so once.
 
 ``keep_dense=False`` frees the dense weights once packed; only the packed
 copies of weights that must stay dense are then extra: a weight shared with
@@ -61,14 +70,37 @@ def packing_supported() -> bool:
     return True
 
 
+@functools.cache
+def pack_format() -> str | None:
+    """How bf16 weights are packed on this CPU: ``bf16``, ``fp32`` (copies for oneDNN's fp32 kernel, used
+    for inputs of :data:`FP32_MIN_ROWS` rows or more) where bf16 cannot be packed, or None without oneDNN."""
+    if packing_supported():
+        return "bf16"
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8), 1)
+    except RuntimeError:
+        return None
+    return "fp32"
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether this weight gets a packed copy: bf16 on a CPU whose oneDNN packs bf16."""
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and packing_supported()
+    """Whether this weight gets a packed copy: bf16 on a CPU with oneDNN."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and pack_format() is not None
+
+
+KERNELS = {"bf16": "packed", "fp32": "packed fp32", None: "stock"}
+# fp32 copies serve inputs of this many rows or more; fewer go through the stock bf16 kernel (Qwen2.5-Coder-1.5B
+# forward on a 2-core Zen 3 EPYC, AVX2: stock 1.71x / 3.04x / 4.38x of a one-row step at 2 / 4 / 6 rows, fp32 copies
+# 2.01x / 2.36x / 2.46x; results/PERF.md)
+FP32_MIN_ROWS = 3
 
 
 def kernels_label(packed: bool) -> str:
-    """What a method computes on: ``packed`` (our prepacked weights) or ``stock`` (the model as loaded)."""
-    return "packed" if packed and packing_supported() else "stock"
+    """What a method computes on: ``packed`` (our prepacked bf16 weights), ``packed fp32`` (fp32 copies for
+    inputs of several rows, on a CPU that cannot pack bf16) or ``stock`` (the model as loaded)."""
+    return KERNELS[pack_format()] if packed else "stock"
 
 
 class LinearWrapper(nn.Module):
@@ -102,14 +134,20 @@ class PackedLinear(LinearWrapper):
 
     def __init__(self, inner: nn.Linear, pinned: bool = False) -> None:
         super().__init__(inner)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(inner.weight.detach(), 1)
+        self.fp32 = pack_format() == "fp32"
+        w = inner.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.float() if self.fp32 else w, 1)
         self.dense = True
         self.pinned = pinned  # the dense weight must stay (shared with another module, or the LM head's)
         self.requires_grad = inner.weight.requires_grad
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.inner.weight if self.dense else self.packed.to_dense()
+        return self.inner.weight if self.dense else self._from_packed()
+
+    def _from_packed(self) -> torch.Tensor:
+        w = self.packed.to_dense()
+        return w.to(torch.bfloat16) if self.fp32 else w  # bf16 -> fp32 -> bf16 is exact
 
     @property
     def extra_bytes(self) -> int:
@@ -123,15 +161,21 @@ class PackedLinear(LinearWrapper):
 
     def restore_dense(self) -> None:
         if not self.dense:
-            self.inner.weight = nn.Parameter(self.packed.to_dense(), requires_grad=self.requires_grad)
+            self.inner.weight = nn.Parameter(self._from_packed(), requires_grad=self.requires_grad)
             self.dense = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active and self.dense:
             return self.inner(x)
         bias = self.inner.bias
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if bias is None else bias.detach(),
-                                                  "none", [], "")
+        bias = None if bias is None else bias.detach()
+        if not self.fp32:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        if self.dense and x.numel() < FP32_MIN_ROWS * x.shape[-1]:  # the stock bf16 kernel is faster here
+            return self.inner(x)
+        y = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, None if bias is None else bias.float(),
+                                               "none", [], "")
+        return y.to(x.dtype)
 
 
 class WeightPacker:
@@ -141,8 +185,8 @@ class WeightPacker:
         self.model = model
         self.keeps_dense = keep_dense
         self.linears: list[PackedLinear] = _wrap(model, keep_dense)
-        if not self.linears and not packing_supported() and any(
-                p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters()):
+        if not packing_supported() and any(p.dtype == torch.bfloat16 and p.device.type == "cpu"
+                                           for p in model.parameters()):
             _say_unpacked()
         self.depth = 0
         if not keep_dense:
@@ -181,8 +225,11 @@ class WeightPacker:
 
 @functools.cache
 def _say_unpacked() -> None:
+    how = ("forwards over 3 or more rows run on fp32 copies of the bf16 weights, prepacked for oneDNN "
+           "(twice their memory); 1-2 row steps on the stock bf16 kernel") if pack_format() == "fp32" else \
+        "every method runs on the stock kernels"
     print(f"[selfspec] this CPU ({torch.backends.cpu.get_cpu_capability()}) cannot prepack bf16 weights for oneDNN "
-          "(that needs AVX-512 or AVX-NE-CONVERT): every method runs on the stock kernels", file=sys.stderr)
+          f"(that needs AVX-512 or AVX-NE-CONVERT): {how}", file=sys.stderr)
 
 
 def _wrap(model: nn.Module, keep_dense: bool) -> list[PackedLinear]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from selfspec.assets.data import Sample
-from selfspec.draft.packed import packing_supported
+from selfspec.draft.packed import pack_format
 from selfspec.engine.decoding import DecodeConfig, Generation
 from selfspec.engine.stats import DecodeStats
 
@@ -110,14 +110,18 @@ def decode_record(cfg: DecodeConfig) -> dict:
     ``packed_weights`` and ``packed_only`` appear only when on, so runs recorded
     before they existed still resume: those made on the weights as loaded with
     ``decoding.packed_weights=false``, those with packed copies as they are. On a CPU
-    that cannot pack bf16 weights (:func:`~selfspec.draft.packed.packing_supported`)
-    neither appears: the run computed on the weights as loaded. Likewise ``rows``
+    that cannot pack bf16 weights (:func:`~selfspec.draft.packed.pack_format`) the
+    packing is recorded as it ran: ``packed_weights: fp32`` for the fp32 copies, absent
+    with no oneDNN (the weights as loaded). Likewise ``rows``
     appears only when not 1, ``exact`` only when on, ``gate`` and ``gate_probe``
     only with the gate on.
     """
     rec = asdict(cfg)
-    if not packing_supported():  # asked for, but this CPU runs the weights as loaded: recorded as it ran
+    fmt = pack_format()
+    if fmt is None:  # asked for, but this CPU runs the weights as loaded: recorded as it ran
         rec["packed_weights"] = rec["packed_only"] = False
+    elif fmt == "fp32" and rec["packed_weights"]:
+        rec["packed_weights"] = "fp32"
     for key in ("packed_weights", "packed_only", "exact", "gate"):
         if not rec[key]:
             del rec[key]
