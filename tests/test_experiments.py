@@ -241,7 +241,7 @@ def test_tables_mark_a_failed_partial_run(tmp_path, tiny_plan):
 def test_runs_recorded_before_packed_weights_resume_with_them_off(monkeypatch):
     from selfspec.eval import records
 
-    monkeypatch.setattr(records, "packing_supported", lambda: True)  # as on a CPU that packs (on AVX2: tests/test_packed.py)
+    monkeypatch.setattr(records, "pack_format", lambda: "bf16")  # as on a CPU that packs bf16 (AVX2: tests/test_packed.py)
     assert "packed_weights" not in decode_record(DecodeConfig(packed_weights=False))
     rec = decode_record(DecodeConfig())
     assert rec["packed_weights"] is True and rec["k"] == DecodeConfig().k

@@ -5,6 +5,7 @@ kernels is tested everywhere, by telling the code that this CPU cannot pack.
 """
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -337,3 +338,18 @@ def test_where_bf16_cannot_be_packed_forwards_of_three_rows_or_more_run_on_fp32_
     packer.keep_dense(True)
     restored = {n.replace(".inner", ""): p for n, p in model.named_parameters()}
     assert all(torch.equal(restored[n], dense[n]) and restored[n].dtype == torch.bfloat16 for n in dense)
+
+
+@pytest.mark.parametrize("fmt, rows", [("bf16", 6), ("fp32", 1), (None, 1)])
+def test_the_padded_width_defaults_to_the_cpus(monkeypatch, fmt, rows):
+    from omegaconf import OmegaConf
+
+    from selfspec.cli.config import decode_config
+
+    monkeypatch.setattr(packed_module, "pack_format", lambda: fmt)
+    assert DecodeConfig().rows == rows
+    cfg = OmegaConf.load(Path(__file__).parents[1] / "conf" / "decoding" / "default.yaml")
+    assert cfg.rows is None  # the config leaves it to the CPU
+    assert decode_config(OmegaConf.create({"decoding": cfg}), 16, None).rows == rows
+    cfg.rows = 4
+    assert decode_config(OmegaConf.create({"decoding": cfg}), 16, None).rows == 4

@@ -102,12 +102,14 @@ def search_settings(cfg: DictConfig) -> SearchSettings:
 
 def decode_config(cfg: DictConfig, dataset_max_new: int, spec: DraftSpec | None) -> DecodeConfig:
     """``cfg.decoding`` as :class:`DecodeConfig`. ``max_new_tokens: null`` takes the dataset's; ``k``,
-    ``adaptive`` and ``threshold`` null take the draft file's (the defaults without one)."""
+    ``adaptive`` and ``threshold`` null take the draft file's (the defaults without one); ``rows: null`` the CPU's."""
     d = plain(cfg.decoding)
     sampling = typed(SamplingParams, {key: d.pop(key) for key in ("temperature", "top_k", "top_p") if key in d},
                      "decoding")
     if d.get("max_new_tokens") is None:
         d["max_new_tokens"] = dataset_max_new
+    if d.get("rows", 0) is None:
+        del d["rows"]  # the CPU's (DecodeConfig's default)
     policy = spec or DraftSpec(SkipPlan(1))
     for key in ("k", "adaptive", "threshold"):
         if d.get(key) is None:

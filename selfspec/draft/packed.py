@@ -85,6 +85,13 @@ def pack_format() -> str | None:
     return "fp32"
 
 
+def default_rows() -> int:
+    """The padded width of our loop's full-model forwards (``DecodeConfig.rows``) by CPU: 6 where bf16 weights are
+    packed (prepacked bf16 kernels read the weights faster over 4-6 rows: results/padded_rows.jsonl), 1 elsewhere
+    (there every extra row costs: :data:`FP32_MIN_ROWS`)."""
+    return 6 if pack_format() == "bf16" else 1
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether this weight gets a packed copy: bf16 on a CPU with oneDNN."""
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and pack_format() is not None

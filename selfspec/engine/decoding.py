@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.draft.copy import NGramIndex
-from selfspec.draft.packed import packed_weights
+from selfspec.draft.packed import default_rows, packed_weights
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.plan import SkipPlan
 from selfspec.engine.cache import PositionalKVCache
@@ -61,7 +61,9 @@ class DecodeConfig:
 
     ``rows``: every full-model forward of our loop over fewer tokens (a plain step, a short
     verify) is padded to this many rows (:func:`forward_at`): same tokens, and on CPU kernels
-    that read the weights faster over a few rows than over one, faster steps. Draft steps stay
+    that read the weights faster over a few rows than over one, faster steps. The default is
+    the CPU's (:func:`~selfspec.draft.packed.default_rows`): 6 where bf16 weights are packed,
+    1 where extra rows cost (AVX2 CPUs). Draft steps stay
     one row (the int8/int4 draft kernels cost more per row).
 
     ``exact``: greedy self-speculative output token-identical to greedy autoregressive output
@@ -98,7 +100,7 @@ class DecodeConfig:
     seed: int = 0
     packed_weights: bool = True
     packed_only: bool = False
-    rows: int = 6  # measured fastest on this project's CPU (conf/decoding/default.yaml); 1 = no padding
+    rows: int = field(default_factory=default_rows)  # 6 where bf16 weights are packed, else 1 (no padding)
     exact: bool = False
 
     def __post_init__(self) -> None:
