@@ -1,9 +1,9 @@
 """What a full-depth forward costs as a function of its width (tokens verified at once).
 
-    python scripts/verify_width.py [--model qwen2.5-coder-0.5b] [--widths 1 2 4 8 16 32] [--reps 9]
+    python scripts/verify_width.py [--model qwen2.5-coder-0.5b] [--widths 1 2 4 8 16 32] [--reps 9] [--kernels stock]
 
-On the packed bf16 weights decoding uses, after a prefill of one calibration prompt, times a
-forward over ``m`` tokens at the end of the context for each width, round-robin (so load
+On the packed weights decoding uses (``--kernels stock``: the weights as loaded), after a prefill
+of one calibration prompt, times a forward over ``m`` tokens at the end of the context for each width, round-robin (so load
 changes hit all widths alike), with a chain mask (the model's own causal mask) and, for
 widths >= 3, with a draft tree's mask (a star: every node a child of the first), which is
 what a tree verify adds. Prints and appends one JSON line (medians, and the ratio to the
@@ -20,7 +20,7 @@ import torch
 
 from selfspec.assets.models import load_model
 from selfspec.cli.config import calibration_prompts
-from selfspec.draft.packed import packed_weights
+from selfspec.draft.packed import kernels_label, packed_weights
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--kernels", choices=["packed", "stock"], default="packed",
+                    help="the packed weights decoding uses (bf16, or fp32 copies on an AVX2 CPU), or the weights as loaded")
     ap.add_argument("--out", default="results/verify_width.jsonl")
     args = ap.parse_args()
     lm = load_model(args.model)
@@ -51,7 +53,7 @@ def main() -> None:
             trees[m] = tree_attention_mask(lm.model, tree, len(prompt), "cpu"), torch.tensor(tree.depth)
     configs = [(str(m), m, None) for m in args.widths] + [(f"{m}/tree", m, "tree") for m in trees]
     times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
-    with torch.inference_mode(), packed_weights(lm.model):
+    with torch.inference_mode(), packed_weights(lm.model, on=args.kernels == "packed"):
         forward_at(lm.model, cache, ctx, 0, keep=1)
         for rep in range(args.reps + 1):
             for name, m, kind in configs:
@@ -68,7 +70,8 @@ def main() -> None:
                     times[name].append(dt)
     med = {name: statistics.median(v) for name, v in times.items()}
     one = med[str(min(args.widths))]
-    res = {"model": args.model, "context_tokens": len(prompt), "reps": args.reps,
+    res = {"model": args.model, "kernels": kernels_label(args.kernels == "packed"), "context_tokens": len(prompt),
+           "reps": args.reps,
            "median_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
            "over_narrowest": {k: round(v / one, 3) for k, v in med.items()},
            "machine": machine_fingerprint(), "git_commit": git_commit()}
