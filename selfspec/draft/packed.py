@@ -22,7 +22,7 @@ are packed, everything else runs as loaded.
 oneDNN prepacks bf16 only on CPUs with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT
 (:func:`packing_supported`). On others (an AVX2-only CPU, e.g. a Zen 3 EPYC) the
 stock bf16 kernel reads one row fast but costs about as much per extra row as
-for the first (a 6-row forward of the 1.5B ran 4.3x a one-row step there), which
+for the first (a 6-row forward of the 1.5B ran 4.8x a one-row step there), which
 would make every verify pass as dear as several plain steps. There
 (:func:`pack_format` ``fp32``) each bf16 weight gets an fp32 copy prepacked for
 oneDNN's fp32 kernel, used for inputs of three or more rows (the bf16 values
@@ -99,8 +99,9 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 KERNELS = {"bf16": "packed", "fp32": "packed fp32", None: "stock"}
 # fp32 copies serve inputs of this many rows or more; fewer go through the stock bf16 kernel (Qwen2.5-Coder-1.5B
-# forward on a 2-core Zen 3 EPYC, AVX2: stock 1.71x / 3.04x / 4.38x of a one-row step at 2 / 4 / 6 rows, fp32 copies
-# 2.01x / 2.36x / 2.46x; results/PERF.md)
+# forward on a 2-core Zen 3 EPYC, AVX2, scripts/verify_width.py: stock 1.75x / 3.25x / 4.79x of a one-row step at
+# 2 / 4 / 6 rows, fp32 copies 2.63x / 2.64x at 4 / 6; at 2 rows a scratch probe had the copies slower than stock,
+# 2.01x against 1.71x: results/PERF.md)
 FP32_MIN_ROWS = 3
 
 

@@ -476,7 +476,7 @@ class Speculator:
         if not self.cfg.gate or self.model_rounds < self.cfg.fallback_min_rounds:
             return True
         if self.plain_rate is None:  # take one plain step to time it: a verify pass is no stand-in for one on a
-            return False             # CPU where extra rows cost (AVX2: a 6-row verify costs 2.5 plain steps)
+            return False             # CPU where extra rows cost (AVX2: a 6-row verify costs 2.6 plain steps)
         return self.model_rate >= self.plain_rate or self.since_probe >= self.cfg.gate_probe
 
     def gated_step(self) -> None:
