@@ -60,10 +60,7 @@ def provenance(extra: dict | None = None) -> dict:
         "versions": versions,
         "python": platform.python_version(),
         "machine": {
-            "cpu": _cpu_name(),
-            "isa": torch.backends.cpu.get_cpu_capability(),
-            "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
+            **{k: v for k, v in machine_fingerprint().items() if k != "torch"},  # torch is under versions
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         },
     }

@@ -61,10 +61,15 @@ def packing_supported() -> bool:
 
     Asked of oneDNN itself, once per process, by packing a tiny weight: the rule is oneDNN's, not ours to copy.
     """
+    return _can_reorder(torch.bfloat16)
+
+
+def _can_reorder(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs a weight of this dtype on this CPU."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
     except RuntimeError:
         return False
     return True
@@ -76,13 +81,7 @@ def pack_format() -> str | None:
     for inputs of :data:`FP32_MIN_ROWS` rows or more) where bf16 cannot be packed, or None without oneDNN."""
     if packing_supported():
         return "bf16"
-    if not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8), 1)
-    except RuntimeError:
-        return None
-    return "fp32"
+    return "fp32" if _can_reorder(torch.float32) else None
 
 
 def default_rows() -> int:
