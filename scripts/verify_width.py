@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--kernels", choices=["packed", "stock"], default="packed",
-                    help="the packed weights decoding uses (bf16, or fp32 copies on an AVX2 CPU), or the weights as loaded")
+                    help="the packed weights decoding uses (bf16, or fp16/fp32 copies on an AVX2 CPU), or the weights as loaded")
     ap.add_argument("--out", default="results/verify_width.jsonl")
     args = ap.parse_args()
     lm = load_model(args.model)

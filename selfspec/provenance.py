@@ -33,16 +33,20 @@ def _cpu_name() -> str:
 
 
 def machine_fingerprint() -> dict:
-    """What makes timings of one machine incomparable with another's: CPU, its vector ISA, cores, threads, torch.
+    """What makes timings of one machine incomparable with another's: CPU, its vector ISA, the packed kernels,
+    cores, threads, torch.
 
     The ISA (torch's CPU capability: AVX2, AVX512, ...) tells apart CPUs that report the same name
-    (a virtual machine's "AMD EPYC" may be a Zen 3 with AVX2 or a Zen 4 with AVX-512), and it decides
-    which kernels run (bf16 prepacking needs AVX-512).
+    (a virtual machine's "AMD EPYC" may be a Zen 3 with AVX2 or a Zen 4 with AVX-512), and with the
+    libraries it decides which kernels our loop runs on (:func:`~selfspec.draft.packed.pack_format`:
+    bf16 prepacking needs AVX-512; an AVX2 CPU gets fp16 or fp32 copies).
     """
     import torch
 
-    return {"cpu": _cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    from selfspec.draft.packed import pack_format
+
+    return {"cpu": _cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "kernels": pack_format() or "stock",
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def provenance(extra: dict | None = None) -> dict:

@@ -21,15 +21,23 @@ are packed, everything else runs as loaded.
 
 oneDNN prepacks bf16 only on CPUs with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT
 (:func:`packing_supported`). On others (an AVX2-only CPU, e.g. a Zen 3 EPYC) the
-stock bf16 kernel reads one row fast but costs about as much per extra row as
+stock bf16 kernel is slow for one row and costs about as much per extra row as
 for the first (a 6-row forward of the 1.5B ran 4.8x a one-row step there), which
 would make every verify pass as dear as several plain steps. There
-(:func:`pack_format` ``fp32``) each bf16 weight gets an fp32 copy prepacked for
-oneDNN's fp32 kernel, used for inputs of three or more rows (the bf16 values
-exactly, accumulated in fp32, rounded back to bf16: the same numbers up to the
-order of the sums); inputs of one or two rows keep the stock bf16 kernel, faster there.
-The copies take twice the bf16 weights' memory. Each method records which
-kernels it ran on (``kernels``), and a line on stderr says so once.
+(:func:`pack_format` ``fp16``) each bf16 weight gets an fp16 copy prepacked for
+fbgemm (``torch.ops.quantized.linear_prepack_fp16``), used for every input: the
+packed products read fp16 weights, accumulate in fp32 and are rounded back to
+bf16. The copy is taken only where it holds the bf16 values exactly (a bf16 value
+below 2**-17 in magnitude may not fit fp16's subnormals; Qwen2.5-Coder-1.5B has
+none); a weight that does not fit gets an fp32 copy for oneDNN's fp32 kernel
+instead. The results are the same numbers as the stock kernel's up to the order
+of the sums. On a 2-core Zen 3 one 1536x8960 product at one row went from 1.59 ms
+(stock bf16) to 0.66 ms, and at 6 rows from 9.6 to 1.5 ms (results/PERF.md). The
+copies take the bf16 weights' memory again. Without fbgemm (``fp32``) every weight
+gets the fp32 copy, used for inputs of :data:`FP32_MIN_ROWS` rows or more (fewer
+keep the stock bf16 kernel, faster there), at twice the bf16 weights' memory.
+Each method records which kernels it ran on (``kernels``), and a line on stderr
+says so once.
 
 ``keep_dense=False`` frees the dense weights once packed; only the packed
 copies of weights that must stay dense are then extra: a weight shared with
@@ -75,12 +83,27 @@ def _can_reorder(dtype: torch.dtype) -> bool:
     return True
 
 
+def _fbgemm_fp16() -> bool:
+    """Whether fbgemm's fp16 linear kernel (prepacked fp16 weights, fp32 activations) runs here."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        torch.ops.quantized.linear_dynamic_fp16(torch.zeros(1, 8), torch.ops.quantized.linear_prepack_fp16(
+            torch.zeros(8, 8), None))
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
 @functools.cache
 def pack_format() -> str | None:
-    """How bf16 weights are packed on this CPU: ``bf16``, ``fp32`` (copies for oneDNN's fp32 kernel, used
-    for inputs of :data:`FP32_MIN_ROWS` rows or more) where bf16 cannot be packed, or None without oneDNN."""
+    """How bf16 weights are packed on this CPU: ``bf16`` where oneDNN packs them; else ``fp16`` (exact fp16
+    copies for fbgemm's fp16 kernel) or, without fbgemm, ``fp32`` (copies for oneDNN's fp32 kernel, used for
+    inputs of :data:`FP32_MIN_ROWS` rows or more); None with neither."""
     if packing_supported():
         return "bf16"
+    if _fbgemm_fp16():
+        return "fp16"
     return "fp32" if _can_reorder(torch.float32) else None
 
 
@@ -96,7 +119,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and pack_format() is not None
 
 
-KERNELS = {"bf16": "packed", "fp32": "packed fp32", None: "stock"}
+KERNELS = {"bf16": "packed", "fp16": "packed fp16", "fp32": "packed fp32", None: "stock"}
 # fp32 copies serve inputs of this many rows or more; fewer go through the stock bf16 kernel (Qwen2.5-Coder-1.5B
 # forward on a 2-core Zen 3 EPYC, AVX2, scripts/verify_width.py: stock 1.75x / 3.25x / 4.79x of a one-row step at
 # 2 / 4 / 6 rows, fp32 copies 2.63x / 2.64x at 4 / 6; at 2 rows a scratch probe had the copies slower than stock,
@@ -105,8 +128,8 @@ FP32_MIN_ROWS = 3
 
 
 def kernels_label(packed: bool) -> str:
-    """What a method computes on: ``packed`` (our prepacked bf16 weights), ``packed fp32`` (fp32 copies for
-    inputs of several rows, on a CPU that cannot pack bf16) or ``stock`` (the model as loaded)."""
+    """What a method computes on: ``packed`` (our prepacked bf16 weights), ``packed fp16`` / ``packed fp32``
+    (fp16 or fp32 copies, on a CPU that cannot pack bf16) or ``stock`` (the model as loaded)."""
     return KERNELS[pack_format()] if packed else "stock"
 
 
@@ -134,16 +157,25 @@ class LinearWrapper(nn.Module):
 
 
 class PackedLinear(LinearWrapper):
-    """An ``nn.Linear`` that also keeps its weight in oneDNN's layout, used while ``active``.
+    """An ``nn.Linear`` that also keeps its weight prepacked, used while ``active``.
 
+    ``kind``: ``bf16`` (oneDNN's layout), ``fp16`` (an exact fp16 copy for fbgemm) or ``fp32`` (an fp32 copy
+    for oneDNN), as :func:`pack_format` says, ``fp32`` for a weight that fp16 does not hold exactly.
     Without its dense weight (:meth:`drop_dense`) it always computes on the packed one.
     """
 
     def __init__(self, inner: nn.Linear, pinned: bool = False) -> None:
         super().__init__(inner)
-        self.fp32 = pack_format() == "fp32"
         w = inner.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.float() if self.fp32 else w, 1)
+        self.kind = pack_format()
+        if self.kind == "fp16" and not torch.equal(w.half().float(), w.float()):
+            self.kind = "fp32"
+        if self.kind == "fp16":  # fbgemm keeps the bias in the packed object
+            bias = inner.bias
+            self.packed = torch.ops.quantized.linear_prepack_fp16(
+                w.float(), None if bias is None else bias.detach().float())
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.float() if self.kind == "fp32" else w, 1)
         self.dense = True
         self.pinned = pinned  # the dense weight must stay (shared with another module, or the LM head's)
         self.requires_grad = inner.weight.requires_grad
@@ -153,13 +185,19 @@ class PackedLinear(LinearWrapper):
         return self.inner.weight if self.dense else self._from_packed()
 
     def _from_packed(self) -> torch.Tensor:
+        if self.kind == "fp16":
+            return torch.ops.quantized.linear_unpack_fp16(self.packed)[0].to(torch.bfloat16)  # exact
         w = self.packed.to_dense()
-        return w.to(torch.bfloat16) if self.fp32 else w  # bf16 -> fp32 -> bf16 is exact
+        return w.to(torch.bfloat16) if self.kind == "fp32" else w  # bf16 -> fp32 -> bf16 is exact
 
     @property
     def extra_bytes(self) -> int:
         """The packed copy's size while the dense weight is kept too, else 0."""
-        return self.packed.numel() * self.packed.element_size() if self.dense else 0
+        if not self.dense:
+            return 0
+        if self.kind == "fp16":
+            return self.in_features * self.out_features * 2
+        return self.packed.numel() * self.packed.element_size()
 
     def drop_dense(self) -> None:
         if self.dense and not self.pinned:
@@ -174,9 +212,11 @@ class PackedLinear(LinearWrapper):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active and self.dense:
             return self.inner(x)
+        if self.kind == "fp16":
+            return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
         bias = self.inner.bias
         bias = None if bias is None else bias.detach()
-        if not self.fp32:
+        if self.kind == "bf16":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         if self.dense and x.numel() < FP32_MIN_ROWS * x.shape[-1]:  # the stock bf16 kernel is faster here
             return self.inner(x)
@@ -232,9 +272,11 @@ class WeightPacker:
 
 @functools.cache
 def _say_unpacked() -> None:
-    how = ("forwards over 3 or more rows run on fp32 copies of the bf16 weights, prepacked for oneDNN "
-           "(twice their memory); 1-2 row steps on the stock bf16 kernel") if pack_format() == "fp32" else \
-        "every method runs on the stock kernels"
+    how = {
+        "fp16": "packed forwards run on exact fp16 copies of the bf16 weights, prepacked for fbgemm (their memory again)",
+        "fp32": "packed forwards over 3 or more rows run on fp32 copies of the bf16 weights, prepacked for oneDNN "
+                "(twice their memory); 1-2 row steps on the stock bf16 kernel",
+    }.get(pack_format(), "every method runs on the stock kernels")
     print(f"[selfspec] this CPU ({torch.backends.cpu.get_cpu_capability()}) cannot prepack bf16 weights for oneDNN "
           f"(that needs AVX-512 or AVX-NE-CONVERT): {how}", file=sys.stderr)
 

@@ -111,7 +111,7 @@ def decode_record(cfg: DecodeConfig) -> dict:
     before they existed still resume: those made on the weights as loaded with
     ``decoding.packed_weights=false``, those with packed copies as they are. On a CPU
     that cannot pack bf16 weights (:func:`~selfspec.draft.packed.pack_format`) the
-    packing is recorded as it ran: ``packed_weights: fp32`` for the fp32 copies, absent
+    packing is recorded as it ran: ``packed_weights: fp16`` / ``fp32`` for the copies, absent
     with no oneDNN (the weights as loaded). Likewise ``rows``
     appears only when not 1, ``exact`` only when on, ``gate`` and ``gate_probe``
     only with the gate on.
@@ -120,8 +120,8 @@ def decode_record(cfg: DecodeConfig) -> dict:
     fmt = pack_format()
     if fmt is None:  # asked for, but this CPU runs the weights as loaded: recorded as it ran
         rec["packed_weights"] = rec["packed_only"] = False
-    elif fmt == "fp32" and rec["packed_weights"]:
-        rec["packed_weights"] = "fp32"
+    elif fmt in ("fp16", "fp32") and rec["packed_weights"]:
+        rec["packed_weights"] = fmt
     for key in ("packed_weights", "packed_only", "exact", "gate"):
         if not rec[key]:
             del rec[key]

@@ -130,15 +130,15 @@ def _over_peer(method: str, summary: dict[str, dict], rows: list[dict], baseline
 
 
 def _kernels(fp: dict, method: str) -> str:
-    """The kernels a method's linears ran on: ``packed`` (prepacked oneDNN weights), ``packed fp32`` (fp32 copies,
-    on a CPU that cannot pack bf16) or ``stock``."""
+    """The kernels a method's linears ran on: ``packed`` (prepacked oneDNN weights), ``packed fp16`` / ``packed fp32``
+    (fp16 / fp32 copies, on a CPU that cannot pack bf16) or ``stock``."""
     info = (fp.get("method_info") or {}).get(method) or {}
     if "kernels" in info:
         return info["kernels"]
     if method.startswith("hf_"):
         return "stock"  # runs before the packed variants existed
     packed = (fp.get("decode") or {}).get(method, {}).get("packed_weights")
-    return "packed fp32" if packed == "fp32" else "packed" if packed else "stock"
+    return f"packed {packed}" if packed in ("fp16", "fp32") else "packed" if packed else "stock"
 
 
 def _speedup(r: dict) -> str:
