@@ -412,6 +412,8 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
         entries.append((twin, p["decode_speedup"], p["acceptance"]))
     # re-time them with real runs, then pick by measured speedup
     timed_ids = [calib_ids[i] for i in timed_rows]
+    _stage(f"re-timing the best {len(entries)} drafts with real runs ({len(timed_ids)} calibration prompts, "
+           f"{s.retime.reps} reps)")
     timed = retime(lm.model, timed_ids, [spec for spec, _, _ in entries], lm.eos_ids,
                    s.retime.max_new_tokens, s.retime.reps)
     candidates = [{"draft": spec.describe(), "predicted_speedup": value, "predicted_acceptance": acceptance,
@@ -425,6 +427,7 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     stages["re-timing"], t = time.perf_counter() - t, time.perf_counter()
     heldout = {"predicted": {}, "measured": {}}
     if held_ids:
+        _stage(f"timing the chosen draft on {len(held_ids)} held-out prompts ({s.heldout.max_new_tokens} tokens)")
         held_conts: list[list[int]] = []  # the full model's continuations: AR's tokens in the timed runs
         heldout["measured"] = _subset(retime(lm.model, held_ids, [best], lm.eos_ids, s.heldout.max_new_tokens,
                                              s.heldout.reps, ar_tokens=held_conts)[0])
@@ -433,6 +436,7 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     ablation = []
     if s.ablation:
         variants = ablation_variants(best)
+        _stage(f"ablation: the chosen draft without each of its levers ({len(variants)} variants)")
         measured = retime(lm.model, timed_ids, [v for _, v in variants], lm.eos_ids,
                           s.retime.max_new_tokens, s.retime.reps)
         ablation = [{"variant": name, "draft": v.describe(), "predicted": _predict(sim, costs, v, timed_rows),
@@ -450,6 +454,10 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
                                                "predicted_speedup": report.predicted_speedup, "ablation": ablation})
     report.draft, report.plan_path = final, str(final.save(plans_dir / f"{s.study_name}.json"))
     return report
+
+
+def _stage(what: str) -> None:
+    print(f"[selfspec] {what}", file=sys.stderr, flush=True)
 
 
 def _subset(m: dict) -> dict:
