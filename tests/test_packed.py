@@ -274,13 +274,20 @@ def test_bad_draft_length_options_are_refused(options, message):
         build_method("hf_early_exit", lm, DecodeConfig(max_new_tokens=4), options=options)
 
 
-def test_a_cpu_that_cannot_pack_bf16_runs_every_method_on_the_stock_kernels(monkeypatch, capsys):
+def _as_on_a_cpu_that_packs(monkeypatch, fmt):
+    """Tell the code that this CPU cannot pack bf16 weights and packs them as ``fmt`` (None: not at all)."""
     from selfspec.eval import records
 
     monkeypatch.setattr(packed_module, "packing_supported", lambda: False)
     for module in (packed_module, records):
-        monkeypatch.setattr(module, "pack_format", lambda: None)
+        monkeypatch.setattr(module, "pack_format", lambda: fmt)
     packed_module._say_unpacked.cache_clear()
+
+
+def test_a_cpu_that_cannot_pack_bf16_runs_every_method_on_the_stock_kernels(monkeypatch, capsys):
+    from selfspec.eval import records
+
+    _as_on_a_cpu_that_packs(monkeypatch, None)
     model = _bf16()
     lm = LoadedModel(name="tiny", model=model, tokenizer=None, eos_ids=frozenset({2}), source="tiny", info={})
     cfg = DecodeConfig(max_new_tokens=24, k=3, fallback=False)
@@ -306,10 +313,7 @@ def test_a_cpu_that_packs_bf16_records_the_packed_kernels():
 def test_where_bf16_cannot_be_packed_forwards_of_three_rows_or_more_run_on_fp32_copies(monkeypatch, capsys):
     from selfspec.eval import records
 
-    monkeypatch.setattr(packed_module, "packing_supported", lambda: False)
-    for module in (packed_module, records):
-        monkeypatch.setattr(module, "pack_format", lambda: "fp32")
-    packed_module._say_unpacked.cache_clear()
+    _as_on_a_cpu_that_packs(monkeypatch, "fp32")
     model = _bf16()
     dense = _dense_weights(model)
     packer = weight_packer(model)
@@ -345,10 +349,7 @@ def test_where_bf16_cannot_be_packed_but_fbgemm_runs_every_forward_uses_exact_fp
     from selfspec.eval import records
     from selfspec.provenance import machine_fingerprint
 
-    monkeypatch.setattr(packed_module, "packing_supported", lambda: False)
-    for module in (packed_module, records):
-        monkeypatch.setattr(module, "pack_format", lambda: "fp16")
-    packed_module._say_unpacked.cache_clear()
+    _as_on_a_cpu_that_packs(monkeypatch, "fp16")
     model = _bf16()
     with torch.no_grad():  # one weight fp16 cannot hold (2**-20 lies below its subnormals' bf16-exact range)
         model.model.layers[0].mlp.down_proj.weight[0, 0] = 2.0 ** -20 * 1.0078125
