@@ -325,13 +325,13 @@ def _calibration(study: optuna.Study, storage, lm: LoadedModel, calib_ids: list[
     def compute() -> dict:
         saved = dict(study.user_attrs.get(CALIBRATION_ATTR) or first)
         if saved.get("key") != key:
-            print("[selfspec] calibrating: the full model's continuations (once per study)", file=sys.stderr)
+            _stage("calibrating: the full model's continuations (once per study)")
             cfg = DecodeConfig(max_new_tokens=s.calibration_tokens)
             saved = {"key": key, "continuations": [autoregressive(lm.model, p, cfg, lm.eos_ids).tokens for p in calib_ids],
                      **({"costs": saved["costs"]} if "costs" in saved else {})}
         if not _costs_fit(saved, space):
             old = CostModel.from_dict(saved["costs"]) if "costs" in saved else None
-            print("[selfspec] measuring the cost model on this machine", file=sys.stderr)
+            _stage("measuring the cost model on this machine")
             context = calib_ids[0] + saved["continuations"][0]
             costs = measure_costs(lm.model, context, space.dims.formats(), sorted(set(space.dims.head_tokens)),
                                   space.dims.longest_verify, s.cost_reps, lm.eos_ids, machine_fingerprint(),
