@@ -6,6 +6,7 @@ import torch
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.decoding import Speculator
+from selfspec.engine.sampling import SamplingParams
 from tests.conftest import PROMPT
 
 N = 4  # layers of the tiny models
@@ -147,6 +148,24 @@ def test_a_closed_gate_still_runs_every_copy_round(make_model, monkeypatch, tree
     assert got.tokens == want
     assert copies > 0 and s.copy_rounds > 0 and s.rounds == s.copy_rounds  # no model round ran
     assert s.gated_steps > 0 and s.gated_steps + 1 >= s.plain_steps
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampling"])
+def test_a_copy_only_draft_never_drafts_with_the_model(make_model, monkeypatch, tree, temperature):
+    model = make_model("qwen2")
+    prompt = PROMPT + PROMPT[:6] + PROMPT  # repeats: copy rounds, and stretches with no match
+    plan = SkipPlan(N)
+    opts = DraftOptions(ngram=2, min_ngram=1, copy_tokens=5, copy_candidates=3 if tree else 1, tree_nodes=6,
+                        model_draft=False)
+    cfg = DecodeConfig(max_new_tokens=40, k=1, fallback=False, sampling=SamplingParams(temperature=temperature))
+    monkeypatch.setattr(Speculator, "draft", lambda *a: pytest.fail("a copy-only draft ran the model's draft"))
+    got = self_speculative(model, prompt, plan, cfg, draft=DraftPath(model, plan, opts))
+    s = got.stats
+    assert len(got.tokens) == 40 and s.rounds == s.copy_rounds > 0
+    assert s.gated_steps > 0 and s.plain_steps >= s.gated_steps  # a plain step where nothing matched
+    if not temperature:
+        assert got.tokens == autoregressive(model, prompt, cfg).tokens
 
 
 def test_gate_settings_are_checked():

@@ -131,6 +131,23 @@ def test_the_cost_model_measures_quantized_heads_when_the_space_holds_them(tiny)
     assert _costs_fit({"costs": older}, SearchSpace(4, dims=replace(space.dims, head_weights=("model",))))
 
 
+def test_a_copy_only_draft_in_the_space_is_one_draft_per_copy_setting():
+    space = SearchSpace(6)
+    only = DraftSpec(SkipPlan(6), DraftOptions(ngram=2, min_ngram=1, copy_tokens=5, copy_candidates=3, tree_nodes=6,
+                                               model_draft=False), k=1)
+    assert space.spec_of(space.params_of(only)) == only
+    params = space.params_of(only)
+    # whatever the trial drew for the model draft's dimensions, a copy-only draft has none of them
+    noisy = {**params, "attn_2": 1, "mlp_3": 1, "weights": "int4", "head_tokens": 16384, "adaptive": True,
+             "branch_below": 0.3}
+    assert space.spec_of(noisy).key == only.key and not space.spec_of(noisy).plan.n_skipped
+    assert space.spec_of({**params, "ngram": 0}).options.model_draft  # no copying: the model drafts
+    assert "copy only" in only.describe() and only.options.record()["model_draft"] is False
+    assert "model_draft" not in DraftOptions(ngram=2).record()
+    with pytest.raises(SelfSpecError, match="needs copy drafting"):
+        DraftOptions(model_draft=False)
+
+
 def test_space_round_trip_and_fixed_dimensions():
     space = SearchSpace(6)
     spec = DraftSpec(SkipPlan(6, attn=(1, 4), mlp=(2,)), DraftOptions(weights="int4", group_size=128, head_tokens=16384,
@@ -143,7 +160,10 @@ def test_space_round_trip_and_fixed_dimensions():
     assert fixed.spec_of(params).options.weights == "model" and fixed.spec_of(params).k == 2
     with pytest.raises(SelfSpecError, match="outside the space"):
         fixed.params_of(DraftSpec(SkipPlan(6), k=5))
-    assert {"copy_fallback", "head_weights", "min_ngram"}.isdisjoint(space.describe()["dims"])  # older studies resume
+    older = SearchSpace(6, dims=DraftDims(min_ngram=(0,), model_draft=(True,)))
+    # dimensions added later, held at their one old value, leave the description: older studies resume
+    assert {"copy_fallback", "head_weights", "min_ngram", "model_draft"}.isdisjoint(older.describe()["dims"])
+    assert {"min_ngram", "model_draft"} <= set(space.describe()["dims"])
     heads = SearchSpace(6, dims=DraftDims(weights=("int8",), head_weights=("model", "int4"), group_size=(32, 128)))
     low = DraftSpec(SkipPlan(6), DraftOptions(weights="int8", head_tokens=16384, head_weights="int4", group_size=128))
     assert heads.spec_of(heads.params_of(low)) == low
@@ -268,9 +288,11 @@ def test_cli_end_to_end_with_offline_wandb(tmp_path):
     time_line = next(line for line in out.splitlines() if line.startswith("time  "))
     for stage in ("calibration and cost model", "trials", "re-timing", "held-out check"):
         assert stage in time_line, time_line
-    # the re-timed candidates include the best draft with no sublayer skipped (its options alone)
+    # the re-timed candidates include the best draft with no sublayer skipped (its options alone; a copy-only
+    # draft skips none)
     retimed = out[out.index("re-timed candidates:"):].splitlines()[1:]
-    assert any("(0 of 8 sublayers)" in line for line in retimed if line.startswith("  ")), out
+    assert any("(0 of 8 sublayers)" in line or line.startswith("  copy only") for line in retimed
+               if line.startswith("  ")), out
     spec = DraftSpec.load(tmp_path / "plans" / "tiny-llama-default.json")
     assert spec.plan.num_layers == 4 and spec.k in (1, 2, 3)
     prov = spec.plan.provenance

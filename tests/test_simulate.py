@@ -23,6 +23,10 @@ SPECS = {
                              k=4),
     "fallback_tree": DraftSpec(SkipPlan(N_LAYERS, attn=(1,)), DraftOptions(ngram=3, copy_fallback=1, copy_tokens=3,
                                                                           copy_candidates=2, tree_nodes=20), k=3),
+    "copy_only": DraftSpec(SkipPlan(N_LAYERS), DraftOptions(ngram=2, min_ngram=1, copy_tokens=5, model_draft=False),
+                           k=1),
+    "copy_only_tree": DraftSpec(SkipPlan(N_LAYERS), DraftOptions(ngram=1, copy_candidates=3, tree_nodes=6,
+                                                                 model_draft=False), k=3),
 }
 PROMPTS = [PROMPT, [5, 9, 11, 5, 9, 11, 5, 9, 11, 7], list(range(40, 60)),
            [5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 11, 12, 3, 4, 5, 6, 7, 13]]
@@ -52,6 +56,9 @@ def test_simulated_rounds_equal_a_real_greedy_run(make_model, arch, name):
     if not spec.adaptive:  # the adaptive exit's drafted length is exact only while the draft agrees
         assert counts.drafted == sum(g.stats.drafted for g in real)
     assert counts.rounds > 0 and 0 < counts.accepted
+    if not spec.options.model_draft:  # every round copied, a plain step wherever nothing matched
+        assert counts.rounds == sum(g.stats.copy_rounds for g in real)
+        assert counts.plain_steps >= sum(g.stats.gated_steps for g in real) > 0
 
 
 @pytest.mark.parametrize("name", ["skip", "head", "adaptive", "branch_tree"])

@@ -79,3 +79,18 @@ def test_shorter_copies_are_a_lever_of_their_own(tmp_path):
     assert rows["without shorter copies"].options.min_ngram == 0 and rows["without shorter copies"].options.ngram == 3
     assert rows["without copy drafting"].options.ngram == 0 == rows["without copy drafting"].options.min_ngram
     assert dict(cumulative_variants(spec))["plus_cut_head"].options.min_ngram == 0
+
+
+def test_a_copy_only_draft_is_ablated_against_the_model_draft(tmp_path):
+    only = DraftSpec(SkipPlan(6), DraftOptions(ngram=2, min_ngram=1, copy_tokens=5, copy_candidates=3, tree_nodes=6,
+                                               model_draft=False), k=1)
+    assert DraftSpec.load(only.save(tmp_path / "d.json")) == only
+    assert only.key != only.replace(options=DraftOptions(ngram=2, min_ngram=1, copy_tokens=5, copy_candidates=3,
+                                                         tree_nodes=6)).key
+    rows = dict(ablation_variants(only))
+    assert "without copy drafting" not in rows  # that would be plain decoding
+    assert rows["with model drafts (skip-free, k tokens)"].options.model_draft
+    assert not rows["a chain (no draft tree)"].options.model_draft
+    cumulative = dict(cumulative_variants(only))
+    assert cumulative["skip_only"].options == DraftOptions()  # the model's own draft, with nothing skipped
+    assert not cumulative["plus_copy"].options.model_draft and not cumulative["plus_copy"].options.tree

@@ -24,6 +24,7 @@ TREES = {
     "fallback": DraftOptions(ngram=3, copy_fallback=1, copy_candidates=2, tree_nodes=10),
     "fallback_branch_small_budget": DraftOptions(ngram=2, copy_fallback=1, branch_below=0.8, tree_nodes=5,
                                                  copy_tokens=4),
+    "copy_only": DraftOptions(ngram=1, copy_candidates=3, tree_nodes=6, model_draft=False),
 }
 
 

@@ -22,7 +22,9 @@ second model and without touching what verification computes:
   round drafts by copying what followed them (prompt lookup, :class:`NGramIndex`),
   up to ``copy_tokens`` tokens (default: k), and runs no draft forward at all;
   with ``min_ngram: m``, a context with no n-gram match falls back to the longest
-  match of n-1 .. m tokens before the model drafts.
+  match of n-1 .. m tokens before the model drafts; with ``model_draft: false`` the
+  model never drafts: a round with no match takes a plain step (copy drafting alone,
+  as prompt lookup runs it).
 
 Both are switched on only inside ``with path.drafting():`` (together with the
 skip plan) by wrapping modules of *that* model instance in place, as
@@ -68,6 +70,9 @@ class DraftOptions:
     # a round with no n-gram match also verifies, beside the model draft, the continuations (up to
     # copy_candidates) of earlier occurrences of the last m tokens, m < ngram (1 = prompt lookup's last resort)
     copy_fallback: int = 0
+    # False: copy drafting only (prompt lookup's rule): a round with no copy match takes a plain step instead of
+    # drafting with the model, so the skip plan, draft weights and head are unused (needs ngram)
+    model_draft: bool = True
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
@@ -87,6 +92,10 @@ class DraftOptions:
         if self.copy_fallback and not 0 < self.copy_fallback < shortest:
             raise SelfSpecError(f"copy_fallback must be between 1 and {shortest - 1} (below the shortest match "
                                 f"copied: ngram={self.ngram}, min_ngram={self.min_ngram}), got {self.copy_fallback}")
+        if not isinstance(self.model_draft, bool):
+            raise SelfSpecError(f"model_draft must be true or false, got {self.model_draft!r}")
+        if not self.model_draft and not self.ngram:
+            raise SelfSpecError("model_draft=false drafts by copying only: it needs copy drafting (ngram >= 1)")
         if "int4" in (self.weights, self.head_weights) and self.group_size not in (32, 64, 128, 256):
             raise SelfSpecError(f"int4 group_size must be 32, 64, 128 or 256, got {self.group_size}")
 
@@ -102,8 +111,8 @@ class DraftOptions:
     def record(self) -> dict | None:
         """The options as a run records them (None for the plan-only draft).
 
-        ``copy_tokens``, ``min_ngram``, ``copy_fallback``, ``head_weights`` and the tree options appear only when set, so
-        runs recorded before they existed still resume.
+        ``copy_tokens``, ``min_ngram``, ``copy_fallback``, ``head_weights``, ``model_draft`` and the tree options
+        appear only when set, so runs recorded before they existed still resume.
         """
         if self.plain and not self.ngram and not self.tree:
             return None
@@ -116,6 +125,8 @@ class DraftOptions:
             del rec["min_ngram"]
         if not self.copy_fallback:
             del rec["copy_fallback"]
+        if self.model_draft:
+            del rec["model_draft"]
         if not self.tree:
             for name in ("copy_candidates", "branch_below", "tree_nodes"):
                 del rec[name]

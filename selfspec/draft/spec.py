@@ -55,11 +55,14 @@ class DraftSpec:
             key += (o.head_weights, o.group_size if o.head_weights == "int4" else 0)
         if o.ngram and o.min_ngram:
             key += (("min_ngram", o.min_ngram),)
+        if not o.model_draft:
+            key += ("copy_only",)
         return key
 
     def describe(self) -> str:
         o = self.options
-        parts = [self.plan.describe()]
+        # a copy-only draft runs no model draft: its plan and the model draft's options are unused
+        parts = [self.plan.describe() if o.model_draft else "copy only (a plain step where nothing matched)"]
         if o.weights != "model":
             parts.append(f"{o.weights}" + (f" g{o.group_size}" if o.weights == "int4" else ""))
         if o.head_tokens or o.head_weights != "model":

@@ -472,7 +472,10 @@ class Speculator:
             self.model_round_done(n + 1, t2 - t0)
 
     def model_draft_pays(self) -> bool:
-        """With the gate on: whether a round with no copy match should draft with the model."""
+        """Whether a round with no copy match should draft with the model: never for a copy-only draft;
+        with the gate on, while model rounds measure at least as fast as plain steps."""
+        if not self.path.options.model_draft:
+            return False
         if not self.cfg.gate or self.model_rounds < self.cfg.fallback_min_rounds:
             return True
         if self.plain_rate is None:  # take one plain step to time it: a verify pass is no stand-in for one on a
@@ -480,7 +483,7 @@ class Speculator:
         return self.model_rate >= self.plain_rate or self.since_probe >= self.cfg.gate_probe
 
     def gated_step(self) -> None:
-        """A plain step in place of a model draft that does not pay."""
+        """A plain step in place of a model draft that does not pay (or that a copy-only draft never makes)."""
         run = self.run
         t0 = run.clock.now()
         run.plain_step()

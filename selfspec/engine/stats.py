@@ -58,7 +58,7 @@ class DecodeStats:
     copy_rounds: int = 0  # rounds whose draft was copied from the context (n-gram match)
     short_copy_rounds: int = 0  # of those, rounds copied after a match shorter than n (DraftOptions.min_ngram)
     plain_steps: int = 0  # one-token target steps (baseline, fallback, gate, last token)
-    gated_steps: int = 0  # of those, steps the model-draft gate took in place of a model draft (DecodeConfig.gate)
+    gated_steps: int = 0  # of those, steps taken in place of a model draft (DecodeConfig.gate; copy-only drafts)
     drafted: int = 0
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)

@@ -169,7 +169,9 @@ def ablation_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
         out.append(("without the cut head", spec.replace(options=_options(o, head_tokens=0))))
     if o.head_weights != "model":
         out.append(("without the quantized head", spec.replace(options=_options(o, head_weights="model"))))
-    if o.ngram:
+    if not o.model_draft:  # copy only: without copying it would be plain decoding, so add the model draft instead
+        out.append(("with model drafts (skip-free, k tokens)", spec.replace(options=_options(o, model_draft=True))))
+    elif o.ngram:
         out.append(("without copy drafting", spec.replace(options=_options(o, **_NO_COPY))))
     if o.min_ngram:
         out.append(("without shorter copies", spec.replace(options=_options(o, min_ngram=0))))
@@ -209,7 +211,7 @@ def skip_free(spec: DraftSpec) -> DraftSpec:
 
 
 # the options a draft with no copy drafting sets (the copy settings need an n-gram size)
-_NO_COPY = {"ngram": 0, "copy_tokens": 0, "min_ngram": 0, "copy_fallback": 0}
+_NO_COPY = {"ngram": 0, "copy_tokens": 0, "min_ngram": 0, "copy_fallback": 0, "model_draft": True}
 
 
 def _options(o: DraftOptions, **changes) -> DraftOptions:

@@ -7,7 +7,8 @@ starting at continuation index ``i`` (token ``c[i]`` pending) is replayed as the
 loop runs it:
 
 - copy drafting: the n-gram index over ``prompt + c[:i+1]`` proposes tokens;
-  their accepted count is their agreement with ``c`` (no forward at all);
+  their accepted count is their agreement with ``c`` (no forward at all); a copy-only
+  draft (``model_draft: false``) takes a plain step where nothing matched;
 - model drafting: one teacher-forced forward of the draft (skips, low-precision
   weights, cut head) over ``c[i:i+k]`` at positions ``P+i..``, on top of the
   full-model keys/values of everything before ``P+i`` and its own inside the
@@ -311,6 +312,11 @@ class RoundSimulator:
             if ngram is not None:
                 ngram.extend(c[len(ngram.tokens) - P : i + 1])
                 proposals = ngram.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates if tree else 1)
+            if not proposals and not opts.model_draft:  # copy-only: a plain step where nothing matched
+                out.plain_steps += 1
+                out.tokens += 1
+                i += 1
+                continue
             if proposals:
                 t = DraftTree(c[i], opts.tree_nodes if tree else len(proposals[0]))
                 for rank, cont in enumerate(proposals, 1):

@@ -5,7 +5,7 @@
   ``min_skipped..max_skipped`` is pruned unscored by the study);
 - the draft options and length policy (:class:`DraftDims`): precision of the kept
   weights, int4 group size, draft head size, k, the adaptive exit and its threshold,
-  copy drafting (n-gram size, longest copy), and draft trees (copy candidates, branching
+  copy drafting (n-gram size, longest copy, copy only or with model drafts), and draft trees (copy candidates, branching
   threshold, node budget: :mod:`selfspec.engine.tree`).
 
 Each option dimension is a list of values; a list of one value fixes it (no Optuna
@@ -35,16 +35,17 @@ class DraftDims:
     adaptive: tuple[bool, ...] = (False, True)
     threshold: tuple[float, ...] = (0.2, 0.4, 0.6)
     ngram: tuple[int, ...] = (0, 2, 3)
-    copy_tokens: tuple[int, ...] = (0, 10)
-    min_ngram: tuple[int, ...] = (0,)  # shortest match copied when the n-gram has none (m < ngram; 0 = n-gram only)
+    copy_tokens: tuple[int, ...] = (0, 5, 10)
+    min_ngram: tuple[int, ...] = (0, 1)  # shortest match copied when the n-gram has none (m < ngram; 0 = n-gram only)
     copy_candidates: tuple[int, ...] = (1, 3)  # draft trees: distinct copy continuations verified at once
     branch_below: tuple[float, ...] = (0.0, 0.3)  # draft trees: 2nd-best token where the draft is less sure
-    tree_nodes: tuple[int, ...] = (12,)  # draft trees: most nodes one verify covers
+    tree_nodes: tuple[int, ...] = (6, 12)  # draft trees: most nodes one verify covers
     copy_fallback: tuple[int, ...] = (0,)  # draft trees: m-gram copies beside a model draft (m < ngram; 0 = off)
+    model_draft: tuple[bool, ...] = (True, False)  # False: copy drafting only, a plain step where nothing matched
 
     def __post_init__(self) -> None:
         for name in ("weights", "group_size", "head_tokens", "head_weights", "k", "adaptive", "threshold", "ngram", "copy_tokens",
-                     "min_ngram", "copy_candidates", "branch_below", "tree_nodes", "copy_fallback"):
+                     "min_ngram", "copy_candidates", "branch_below", "tree_nodes", "copy_fallback", "model_draft"):
             if not getattr(self, name):
                 raise SelfSpecError(f"search.space.{name} is empty: give at least one value")
         for name in ("weights", "head_weights"):
@@ -114,9 +115,11 @@ class SearchSpace:
         """What the study pins: a resumed study refuses another space."""
         return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
                 "protect_first_last": self.protect_first_last,
-                # copy_fallback, min_ngram and head_weights only when searched, so studies made before them still resume
+                # copy_fallback, min_ngram, head_weights and model_draft only when searched, so studies made before
+                # them still resume
                 "dims": {k: list(v) for k, v in asdict(self.dims).items()
-                         if (k, v) not in (("copy_fallback", (0,)), ("min_ngram", (0,)), ("head_weights", ("model",)))}}
+                         if (k, v) not in (("copy_fallback", (0,)), ("min_ngram", (0,)), ("head_weights", ("model",)),
+                                           ("model_draft", (True,)))}}
 
     # -- params <-> drafts -------------------------------------------------------------
     def _option_dims(self) -> dict[str, tuple]:
@@ -126,7 +129,7 @@ class SearchSpace:
                 "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens,
                 "min_ngram": d.min_ngram, "copy_candidates": d.copy_candidates, "branch_below": d.branch_below,
                 "tree_nodes": d.tree_nodes,
-                "copy_fallback": d.copy_fallback}
+                "copy_fallback": d.copy_fallback, "model_draft": d.model_draft}
 
     def params_of(self, spec: DraftSpec) -> dict:
         params = {**{f"attn_{i}": int(i in spec.plan.attn) for i in self.searchable},
@@ -137,10 +140,14 @@ class SearchSpace:
                   "adaptive": spec.adaptive, "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
                   "min_ngram": o.min_ngram, "copy_candidates": o.copy_candidates, "branch_below": o.branch_below,
                   "tree_nodes": o.tree_nodes,
-                  "copy_fallback": o.copy_fallback}
+                  "copy_fallback": o.copy_fallback, "model_draft": o.model_draft}
         unused = {"group_size": "int4" not in (o.weights, o.head_weights), "threshold": not spec.adaptive,
                   "copy_tokens": not o.ngram, "min_ngram": o.ngram < 2,
-                  "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2}
+                  "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2,
+                  "model_draft": not o.ngram}
+        if not o.model_draft:  # a copy-only draft has no model draft to shape
+            unused.update(dict.fromkeys(("weights", "group_size", "head_tokens", "head_weights", "adaptive",
+                                         "threshold", "branch_below", "copy_fallback"), True))
         for name, choices in self._option_dims().items():
             if unused.get(name):  # a value the draft does not use: any of the space's will do
                 values[name] = choices[0]
@@ -157,12 +164,19 @@ class SearchSpace:
         v = {name: params.get(name, choices[0]) for name, choices in self._option_dims().items()}
         min_ngram = v["min_ngram"] if v["min_ngram"] < v["ngram"] else 0
         shortest = min_ngram or v["ngram"]
+        if v["ngram"] and not v["model_draft"]:
+            # copy only: no sublayer skipped and the model's own draft settings, so that all copy-only
+            # trials that copy alike are one draft (one key)
+            attn = mlp = ()
+            v.update(weights="model", head_tokens=0, head_weights="model", adaptive=False, branch_below=0.0,
+                     copy_fallback=0)
         options = DraftOptions(weights=v["weights"], group_size=v["group_size"], head_tokens=v["head_tokens"],
                                head_weights=v["head_weights"],
                                ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0, min_ngram=min_ngram,
                                copy_candidates=v["copy_candidates"] if v["ngram"] else 1,
                                branch_below=v["branch_below"],
-                               copy_fallback=v["copy_fallback"] if v["copy_fallback"] < shortest else 0)
+                               copy_fallback=v["copy_fallback"] if v["copy_fallback"] < shortest else 0,
+                               model_draft=v["model_draft"] or not v["ngram"])
         if options.tree:  # a chain keeps the default budget: one draft, one spec
             options = replace(options, tree_nodes=v["tree_nodes"])
         return DraftSpec(SkipPlan(self.num_layers, attn=attn, mlp=mlp, model=model), options, k=v["k"],
