@@ -139,9 +139,11 @@ def test_a_copy_only_draft_in_the_space_is_one_draft_per_copy_setting():
     params = space.params_of(only)
     # whatever the trial drew for the model draft's dimensions, a copy-only draft has none of them
     noisy = {**params, "attn_2": 1, "mlp_3": 1, "weights": "int4", "head_tokens": 16384, "adaptive": True,
-             "branch_below": 0.3}
+             "branch_below": 0.3, "k": 4}  # k too: the copies run to copy_tokens
     assert space.spec_of(noisy).key == only.key and not space.spec_of(noisy).plan.n_skipped
     assert space.spec_of({**params, "ngram": 0}).options.model_draft  # no copying: the model drafts
+    up_to_k = space.spec_of({**params, "copy_tokens": 0, "k": 4})  # copies of up to k tokens: k matters
+    assert up_to_k.k == 4 and space.spec_of(space.params_of(up_to_k)) == up_to_k
     assert "copy only" in only.describe() and only.options.record()["model_draft"] is False
     assert "model_draft" not in DraftOptions(ngram=2).record()
     with pytest.raises(SelfSpecError, match="needs copy drafting"):

@@ -89,7 +89,7 @@ def test_a_copy_only_draft_is_ablated_against_the_model_draft(tmp_path):
                                                          tree_nodes=6)).key
     rows = dict(ablation_variants(only))
     assert "without copy drafting" not in rows  # that would be plain decoding
-    assert rows["with model drafts (skip-free, k tokens)"].options.model_draft
+    assert rows["with model drafts"].options.model_draft
     assert not rows["a chain (no draft tree)"].options.model_draft
     cumulative = dict(cumulative_variants(only))
     assert cumulative["skip_only"].options == DraftOptions()  # the model's own draft, with nothing skipped

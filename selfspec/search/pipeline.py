@@ -170,7 +170,7 @@ def ablation_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
     if o.head_weights != "model":
         out.append(("without the quantized head", spec.replace(options=_options(o, head_weights="model"))))
     if not o.model_draft:  # copy only: without copying it would be plain decoding, so add the model draft instead
-        out.append(("with model drafts (skip-free, k tokens)", spec.replace(options=_options(o, model_draft=True))))
+        out.append(("with model drafts", spec.replace(options=_options(o, model_draft=True))))
     elif o.ngram:
         out.append(("without copy drafting", spec.replace(options=_options(o, **_NO_COPY))))
     if o.min_ngram:
@@ -498,7 +498,7 @@ def format_report(r: SearchReport) -> str:
         for a in r.ablation:
             p, m = a["predicted"], a["measured"]
             spread = _spread(m.get("decode_speedup_range"))
-            lines.append(f"  {a['variant']:<28}{p['decode_speedup']:.2f}x / {m['decode_speedup']:.2f}x{spread}, "
+            lines.append(f"  {a['variant']:<28} {p['decode_speedup']:.2f}x / {m['decode_speedup']:.2f}x{spread}, "
                          f"{m['speedup']:.2f}x, acceptance {p['acceptance']:.2f} / {m['acceptance']:.2f}")
     lines.append(f"draft written to {r.plan_path}")
     held = (r.heldout.get("measured") or {}).get("speedup")  # end to end: what a user waits for

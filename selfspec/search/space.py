@@ -148,6 +148,7 @@ class SearchSpace:
         if not o.model_draft:  # a copy-only draft has no model draft to shape
             unused.update(dict.fromkeys(("weights", "group_size", "head_tokens", "head_weights", "adaptive",
                                          "threshold", "branch_below", "copy_fallback"), True))
+            unused["k"] = bool(o.copy_tokens)
         for name, choices in self._option_dims().items():
             if unused.get(name):  # a value the draft does not use: any of the space's will do
                 values[name] = choices[0]
@@ -170,6 +171,8 @@ class SearchSpace:
             attn = mlp = ()
             v.update(weights="model", head_tokens=0, head_weights="model", adaptive=False, branch_below=0.0,
                      copy_fallback=0)
+            if v["copy_tokens"]:  # k only sets the copy length when copy_tokens is 0
+                v["k"] = self.dims.k[0]
         options = DraftOptions(weights=v["weights"], group_size=v["group_size"], head_tokens=v["head_tokens"],
                                head_weights=v["head_weights"],
                                ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0, min_ngram=min_ngram,
