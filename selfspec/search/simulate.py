@@ -303,16 +303,11 @@ class RoundSimulator:
         while i + 1 < L:
             room = L - (i + 1) - 1
             k = min(spec.k, room)
-            if k < 1:
-                out.plain_steps += 1
-                out.tokens += 1
-                i += 1
-                continue
             proposals: list[list[int]] = []
-            if ngram is not None:
+            if k >= 1 and ngram is not None:
                 ngram.extend(c[len(ngram.tokens) - P : i + 1])
                 proposals = ngram.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates if tree else 1)
-            if not proposals and not opts.model_draft:  # copy-only: a plain step where nothing matched
+            if k < 1 or (not proposals and not opts.model_draft):  # a plain step (copy-only: where nothing matched)
                 out.plain_steps += 1
                 out.tokens += 1
                 i += 1
