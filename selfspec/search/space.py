@@ -34,9 +34,9 @@ class DraftDims:
     k: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
     adaptive: tuple[bool, ...] = (False, True)
     threshold: tuple[float, ...] = (0.2, 0.4, 0.6)
-    ngram: tuple[int, ...] = (0, 2, 3)
+    ngram: tuple[int, ...] = (0, 2, 3, 4, 8)  # 8: the longest match of up to 8 tokens picks the occurrence (min_ngram)
     copy_tokens: tuple[int, ...] = (0, 5, 10)
-    min_ngram: tuple[int, ...] = (0, 1)  # shortest match copied when the n-gram has none (m < ngram; 0 = n-gram only)
+    min_ngram: tuple[int, ...] = (0, 1, 2)  # shortest match copied when the n-gram has none (m < ngram; 0 = n-gram only)
     copy_candidates: tuple[int, ...] = (1, 3)  # draft trees: distinct copy continuations verified at once
     branch_below: tuple[float, ...] = (0.0, 0.3)  # draft trees: 2nd-best token where the draft is less sure
     tree_nodes: tuple[int, ...] = (6, 12)  # draft trees: most nodes one verify covers
