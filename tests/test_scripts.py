@@ -1,9 +1,12 @@
-"""The measurement scripts run from the repository root on a tiny model and append one JSON line."""
+"""The measurement scripts run from the repository root on a tiny model and append one JSON line; the copy
+replay prices rounds as worked out by hand."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,3 +60,24 @@ def test_sim_batch_bench_appends_one_row(tmp_path):
     # the tiny model runs in fp32: side by side, every draft's counts equal those of one prompt at a time
     assert row["batches"]["2"]["drafts_whose_counts_differ_from_first"] == 0
     assert row["batches"]["2"]["mean_s_per_draft"] > 0 and row["machine"]
+
+
+def _copy_replay():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("copy_replay", ROOT / "scripts" / "copy_replay.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_copy_replay_prices_rounds_by_hand():
+    replay = _copy_replay().replay
+    relative = {2: 1.1, 3: 1.2, 4: 1.3}
+    prompt, output = [1, 2, 3, 4, 5], [1, 2, 3, 4, 9, 9]
+    # latest 2-gram, 3 tokens: [5, 1] never occurred (plain step), then [1, 2] copies [3, 4, 5]: two accepted
+    # plus the verify's 9 for a 4-row verify (1.3), then [4, 9] never occurred (plain step): 5 tokens in 3.3
+    assert replay(prompt, output, ("latest", 2, 0, 3), relative) == pytest.approx(5 / 3.3)
+    # earliest, 2-gram down to 1: [5, 1] never occurred, the 1-gram [1] first did at 0: [2, 3, 4], all accepted
+    # plus 9 (1.3), then neither [4, 9] nor [9] occurred before (plain step): 5 tokens in 2.3
+    assert replay(prompt, output, ("earliest", 2, 1, 3), relative) == pytest.approx(5 / 2.3)
