@@ -70,15 +70,15 @@ def replay(prompt: list[int], output: list[int], rule: tuple[str, int, int, int]
         index.extend(ctx)
     i, time = 1, 0.0
     while i < len(output):
-        room = len(output) - i
-        draft = (index.propose(min(length, room)) if index is not None else _earliest(ctx, n, m or n, length)[:room])
+        cap = min(length, len(output) - i)  # no draft past the output's end
+        draft = index.propose(cap) if index is not None else _earliest(ctx, n, m or n, cap)
         if not draft:
             time, take = time + 1.0, 1
         else:
             accepted = 0
             while accepted < len(draft) and draft[accepted] == output[i + accepted]:
                 accepted += 1
-            time, take = time + relative[len(draft) + 1], min(accepted + 1, room)
+            time, take = time + relative[len(draft) + 1], min(accepted + 1, len(output) - i)
         new = output[i : i + take]
         ctx += new
         if index is not None:
