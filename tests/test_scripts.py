@@ -46,13 +46,20 @@ def test_sampler_bench_appends_one_row(tmp_path):
     assert row["ratio_min_max"][0] <= row["ratio"] <= row["ratio_min_max"][1]
 
 
-def test_sim_batch_bench_appends_one_row(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory) -> Path:
+    """A quick search's study of the tiny Llama (fp32)."""
+    root = tmp_path_factory.mktemp("study")
     search = subprocess.run([sys.executable, "-m", "selfspec.search", "model=tiny-llama", "search=quick", "logger=none",
-                             f"search.storage={tmp_path}/study.db", f"plans_dir={tmp_path}/plans",
-                             f"hydra.run.dir={tmp_path}/hydra"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                             f"search.storage={root}/study.db", f"plans_dir={root}/plans",
+                             f"hydra.run.dir={root}/hydra"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert search.returncode == 0, search.stderr[-2000:]
+    return root / "study.db"
+
+
+def test_sim_batch_bench_appends_one_row(tmp_path, tiny_study):
     out = tmp_path / "sim.jsonl"
-    p = _script("sim_batch_bench.py", str(tmp_path / "study.db"), "tiny-llama-default", "--trials", "3",
+    p = _script("sim_batch_bench.py", str(tiny_study), "tiny-llama-default", "--trials", "3",
                 "--batches", "1", "2", "--dtype", "float32", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
@@ -60,6 +67,25 @@ def test_sim_batch_bench_appends_one_row(tmp_path):
     # the tiny model runs in fp32: side by side, every draft's counts equal those of one prompt at a time
     assert row["batches"]["2"]["drafts_whose_counts_differ_from_first"] == 0
     assert row["batches"]["2"]["mean_s_per_draft"] > 0 and row["machine"]
+
+
+def test_round_costs_sets_measured_parts_beside_the_cost_models(tmp_path, tiny_study):
+    out = tmp_path / "costs.jsonl"
+    p = _script("round_costs.py", str(tiny_study), "--name", "tiny-llama-default", "--top", "2", "--prompts", "2",
+                "--tokens", "12", "--reps", "2", "--dtype", "float32", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 2 <= len(row["drafts"]) <= 4 and row["machine"] and row["kernels"]  # the top 2 and their skip-free twins
+    for d in row["drafts"]:
+        # the simulator replays the timed AR run's tokens: its rounds are the run's (fp32, tiny model)
+        assert d["rounds"]["simulated"] == d["rounds"]["measured"], d["draft"]
+        assert set(d["seconds"]["modelled"]) == {"draft", "verify", "plain"}
+        assert all(v >= 0 for v in d["seconds"]["modelled"].values())
+        assert (d["seconds"]["measured"]["verify"] > 0) == (d["rounds"]["measured"]["rounds"] > 0)
+        assert (d["seconds"]["measured"]["plain"] > 0) == (d["rounds"]["measured"]["plain"] > 0)
+        lo, hi = d["decode_speedup"]["range"]
+        assert lo <= d["decode_speedup"]["measured"] <= hi and d["decode_speedup"]["predicted"] > 0
+    assert "seconds measured / modelled" in p.stdout
 
 
 def _copy_replay():

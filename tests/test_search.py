@@ -96,6 +96,11 @@ def test_predicted_time_formula():
     assert COSTS.step_time(spec) == pytest.approx(step)
     assert COSTS.time(counts, spec) == pytest.approx(want)
     assert COSTS.predicted_speedup(counts, spec) == pytest.approx(20 * 1.0 / want)
+    # the same seconds split as the loop clocks them (draft steps, verify passes, plain steps)
+    parts = COSTS.breakdown(counts, spec)
+    assert parts == pytest.approx({"draft": 14 * step, "verify": 4 * 1.04 + 2 * 1.02 + 1.06, "plain": 1.0})
+    tree = RoundCounts(tokens=5, tree_rounds=Counter({(2, 6): 1, (0, 4): 1}), drafted=8, accepted=3)
+    assert COSTS.breakdown(tree, spec) == pytest.approx({"draft": 2 * step, "verify": 1.07 + 1.05, "plain": 0.0})
     assert CostModel.from_dict(COSTS.to_dict()) == COSTS
 
 
@@ -303,6 +308,25 @@ def test_cli_end_to_end_with_offline_wandb(tmp_path):
     assert spec.measured["calibration"]["measured"]["speedup"] > 0
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
+
+
+def test_predictions_beside_measurements_replay_the_timed_runs_exactly_in_fp64(tmp_path):
+    # the report sets each prediction beside a measurement of the same prompts and continuations: in fp64
+    # the simulated rounds are the real ones, so acceptance and tokens per round agree to rounding
+    proc = _cli(tmp_path, "logger=none", "model.dtype=float64", "search.ablation=true", "search.retime.prompts=2",
+                "search.retime.max_new_tokens=48", "search.heldout.max_new_tokens=48",
+                "search.space.weights=[model]", "search.space.ngram=[2]", "search.space.min_ngram=[1]")  # no int4 in fp64
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    measured = DraftSpec.load(tmp_path / "plans" / "tiny-llama-default.json").measured
+    pairs = [measured["calibration"], measured["heldout"], *measured["ablation"]]
+    assert len(pairs) >= 4
+    for pair in pairs:
+        p, m = pair["predicted"], pair["measured"]
+        assert p["tokens_per_round"] == pytest.approx(m["tokens_per_round"], abs=1e-9), pair
+        assert p["acceptance"] == pytest.approx(m["acceptance"], abs=1e-9, nan_ok=True), pair
+    assert sum(pair["measured"]["tokens_per_round"] > 1.0 for pair in pairs) >= 2  # some rounds accepted copies
+    assert "on the timed prompts" in out
 
 
 def test_cli_killed_midway_resumes(tmp_path):

@@ -97,14 +97,16 @@ class CostModel:
 
     def time(self, counts: RoundCounts, spec: DraftSpec) -> float:
         """Seconds the simulated rounds take (prefill excluded)."""
+        return sum(self.breakdown(counts, spec).values())
+
+    def breakdown(self, counts: RoundCounts, spec: DraftSpec) -> dict[str, float]:
+        """:meth:`time` by what the loop clocks apart: draft steps, verify passes, plain steps."""
         step = self.step_time(spec) + self._o(f"draft_step/{weight_format(spec.options)}")
         step = max(step + (self._o("adaptive_step") if spec.adaptive else 0.0), 1e-9)
-        plain = self.t_full + self._o("plain_step")
-        t = counts.plain_steps * plain
-        t += sum(n * (m * step + self._verify(m + 1)) for m, n in counts.model_rounds.items())
-        t += sum(n * self._verify(m + 1) for m, n in counts.copy_rounds.items())
-        t += sum(n * (m * step + self._verify(nodes + 1)) for (m, nodes), n in counts.tree_rounds.items())
-        return t
+        drafted = sum(m * n for m, n in counts.model_rounds.items()) + sum(m * n for (m, _), n in counts.tree_rounds.items())
+        verify = sum(n * self._verify(m + 1) for m, n in (counts.model_rounds + counts.copy_rounds).items())
+        verify += sum(n * self._verify(nodes + 1) for (_, nodes), n in counts.tree_rounds.items())
+        return {"draft": drafted * step, "verify": verify, "plain": counts.plain_steps * (self.t_full + self._o("plain_step"))}
 
     def _verify(self, m: int) -> float:
         return max(self.verify_time(m) + self._o("verify"), 1e-9)
