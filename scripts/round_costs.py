@@ -1,7 +1,7 @@
 """Where a draft's decode time goes, set against the search's cost model on the very rounds it predicts.
 
     python scripts/round_costs.py results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v3.db [--top 3] [--draft plan.json ...] \
-        [--prompts 4] [--tokens 32] [--reps 3] [--dtype bfloat16]
+        [--prompts 4] [--tokens 32] [--reps 3] [--dtype bfloat16] [--remeasure]
 
 Times our AR and each draft (the study's best few by prediction, each one's twin with no sublayer skipped, and
 any draft files given) on the study's re-timing prompts (calibration prompts spread over the list, as the search
@@ -10,7 +10,8 @@ those runs and priced by the study's cost model. Per draft it prints the rounds 
 of each part the loop clocks (draft steps, verify passes, plain steps, and the unclocked rest), measured (median
 over repetitions) and modelled, and the decode speedup measured (median and range of the paired ratios) and
 predicted. Appends one JSON line to --out. The study's cost model must have been measured on this machine
-(the search re-measures it when resumed elsewhere); the script refuses otherwise.
+(the search re-measures it when resumed elsewhere); the script refuses otherwise. ``--remeasure`` prices the
+rounds with a cost model measured now, by the code checked out, over what the timed drafts use.
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import optuna
 
 from selfspec.assets.models import load_model
 from selfspec.draft.packed import kernels_label
+from selfspec.draft.path import DraftOptions
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig
 from selfspec.errors import SelfSpecError
 from selfspec.eval.harness import interleaved, paired_ratios, recording
 from selfspec.provenance import git_commit, machine_fingerprint
-from selfspec.search.costs import CostModel
+from selfspec.search.costs import CostModel, measure_costs, weight_format
 from selfspec.search.pipeline import skip_free, spread, study_calibration
 from selfspec.search.retime import AR, plan_runner, spec_runner
 from selfspec.search.simulate import RoundSimulator
@@ -53,6 +56,17 @@ def drafts_of(study_path: str, name: str, num_layers: int, model: str, top: int,
     return list(unique.values())
 
 
+def remeasured(lm, context: list[int], drafts: list[DraftSpec]) -> CostModel:
+    """A cost model measured now, over what ``drafts`` use (as the search measures it for its space)."""
+    opts = [d.options for d in drafts]
+    formats = {weight_format(o): DraftOptions(weights=o.weights, group_size=o.group_size) for o in opts}
+    formats.setdefault("model", DraftOptions())
+    heads = [DraftOptions(head_weights=o.head_weights, group_size=o.group_size) for o in opts if o.head_weights != "model"]
+    longest = max(max(d.k, o.copy_tokens if o.ngram else 0, o.tree_nodes if o.tree else 0) for d, o in zip(drafts, opts))
+    return measure_costs(lm.model, context, list(formats.values()), sorted({0, *(o.head_tokens for o in opts)}),
+                         longest + 1, stop_ids=lm.eos_ids, machine=machine_fingerprint(), head_formats=heads)
+
+
 def measured_parts(stats) -> dict[str, float]:
     """Seconds of each part in one repetition's merged stats; ``rest``: decode time the loop does not clock apart."""
     parts = {"draft": stats.draft_time, "verify": stats.verify_time, "plain": stats.step_time}
@@ -70,17 +84,23 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per run")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", help="the model's dtype, as the search ran it")
+    ap.add_argument("--remeasure", action="store_true",
+                    help="price the rounds with a cost model measured now by this code (over what the drafts use) "
+                         "instead of the study's")
     ap.add_argument("--out", default="results/round_costs.jsonl")
     args = ap.parse_args()
     name = args.name or Path(args.study).stem
     saved = study_calibration(args.study, name)
     costs = CostModel.from_dict(saved["costs"])
-    if costs.machine != machine_fingerprint():
+    if not args.remeasure and costs.machine != machine_fingerprint():
         raise SelfSpecError(f"the study's cost model was measured on another machine ({costs.machine}); resume the "
                             "search here first (it re-measures the cost model), then run this again")
     lm = load_model(saved["key"]["model"], dtype=args.dtype)
     prompts = [saved["key"]["prompts"][i] for i in spread(len(saved["key"]["prompts"]), args.prompts)]
     drafts = drafts_of(args.study, name, lm.num_layers, lm.name, args.top, args.draft)
+    if args.remeasure:
+        print("measuring the cost model", file=sys.stderr, flush=True)
+        costs = remeasured(lm, saved["key"]["prompts"][0] + saved["continuations"][0], drafts)
     outputs: list[list[int]] = []
     base = DecodeConfig(max_new_tokens=args.tokens, fallback=False)
     runs = {AR: recording(plan_runner(lm.model, lm.eos_ids, None, base), outputs)}
@@ -117,7 +137,8 @@ def main() -> None:
         sp = row["decode_speedup"]
         print(f"  decode speedup measured {sp['measured']:.2f}x ({sp['range'][0]:.2f}-{sp['range'][1]:.2f}x over the "
               f"repetitions), predicted {sp['predicted']:.2f}x")
-    record = {"study": name, "storage": args.study, "commit": git_commit(), "machine": machine_fingerprint(),
+    record = {"study": name, "storage": args.study, "cost_model": "measured now" if args.remeasure else "the study's",
+              "commit": git_commit(), "machine": machine_fingerprint(),
               "kernels": kernels_label(True), "dtype": args.dtype, "prompts": len(prompts),
               "tokens": args.tokens, "reps": args.reps,
               "ar": {"plain_step_s": ar_step, "modelled_plain_step_s": costs.t_full + costs.overhead.get("plain_step", 0.0),

@@ -72,7 +72,7 @@ def test_sim_batch_bench_appends_one_row(tmp_path, tiny_study):
 def test_round_costs_sets_measured_parts_beside_the_cost_models(tmp_path, tiny_study):
     out = tmp_path / "costs.jsonl"
     p = _script("round_costs.py", str(tiny_study), "--name", "tiny-llama-default", "--top", "2", "--prompts", "2",
-                "--tokens", "12", "--reps", "2", "--dtype", "float32", "--out", str(out))
+                "--tokens", "12", "--reps", "2", "--dtype", "float32", "--remeasure", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert 2 <= len(row["drafts"]) <= 4 and row["machine"] and row["kernels"]  # the top 2 and their skip-free twins

@@ -179,7 +179,11 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
                     dt = clock.now() - t0
                 if rep:  # repetition 0 is the warm-up
                     times[name].append(dt)
-    med = {name: statistics.median(v) for name, v in times.items()}
+    # each forward in units of the plain forward timed in the same pass, times the median plain forward: the
+    # machine's speed drifts (by a quarter within minutes on a shared 2-core VM, results/PERF.md), and a drift
+    # between passes then moves every cost alike instead of skewing the differences the sublayer costs are
+    full_med = statistics.median(times["full"])
+    med = {name: full_med * statistics.median(t / f for t, f in zip(v, times["full"])) for name, v in times.items()}
     draft = {}
     for opts in formats:
         fmt = weight_format(opts)
@@ -205,6 +209,11 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
     with every sublayer kept (k=3, greedy, no fallback) against its modelled step, and its verify
     passes against the modelled ones; the adaptive exit (threshold 0: it never stops, so only its
     per-step softmax differs) against the fixed-k run of the model-weight draft.
+
+    The runs of each repetition are first scaled by ``t_full`` over that repetition's own plain
+    step: these runs come minutes after the forwards were timed, and the machine's speed drifts
+    between the two (a speedup needs only the ratios). The plain step's overhead is therefore 0,
+    and the others say what the loop adds or saves relative to a plain step.
     """
     n = costs.num_layers
     base = DecodeConfig(max_new_tokens=tokens, k=3, fallback=False)
@@ -225,10 +234,11 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
         ad = self_speculative(model, prompt, specs["model"].plan, adaptive, stop_ids, draft=paths["model"]).stats
         if not rep or not ar.plain_steps or not ad.drafted or not all(r.rounds for r in runs.values()):
             continue  # repetition 0 is the warm-up
-        add("plain_step", ar.step_time / ar.plain_steps - costs.t_full)
+        scale = costs.t_full / (ar.step_time / ar.plain_steps)  # this repetition's seconds -> the forwards' pass
+        add("plain_step", 0.0)
         for fmt, st in runs.items():
-            add(f"draft_step/{fmt}", st.draft_time / st.drafted - costs.step_time(specs[fmt]))
-            add("verify", st.verify_time / st.rounds - costs.verify_time(round(st.drafted / st.rounds) + 1))
-        add("adaptive_step", ad.draft_time / ad.drafted - runs["model"].draft_time / runs["model"].drafted)
+            add(f"draft_step/{fmt}", scale * st.draft_time / st.drafted - costs.step_time(specs[fmt]))
+            add("verify", scale * st.verify_time / st.rounds - costs.verify_time(round(st.drafted / st.rounds) + 1))
+        add("adaptive_step", scale * (ad.draft_time / ad.drafted - runs["model"].draft_time / runs["model"].drafted))
     return {name: statistics.median(values) for name, values in samples.items()}
 
