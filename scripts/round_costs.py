@@ -142,7 +142,8 @@ def main() -> None:
               "kernels": kernels_label(True), "dtype": args.dtype, "prompts": len(prompts),
               "tokens": args.tokens, "reps": args.reps,
               "ar": {"plain_step_s": ar_step, "modelled_plain_step_s": costs.t_full + costs.overhead.get("plain_step", 0.0),
-                     "rest_s": ar_rest}, "drafts": rows}
+                     "rest_s": ar_rest}, "drafts": rows,
+              **({"costs": costs.to_dict()} if args.remeasure else {})}
     with open(args.out, "a") as f:  # one line per run: a crash leaves the earlier lines whole
         f.write(json.dumps(record) + "\n")
     print(f"\nappended to {args.out}")

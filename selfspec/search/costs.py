@@ -181,7 +181,7 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
                     times[name].append(dt)
     # each forward in units of the plain forward timed in the same pass, times the median plain forward: the
     # machine's speed drifts (by a quarter within minutes on a shared 2-core VM, results/PERF.md), and a drift
-    # between passes then moves every cost alike instead of skewing the differences the sublayer costs are
+    # between passes then moves every cost alike instead of skewing the differences the sublayer costs come from
     full_med = statistics.median(times["full"])
     med = {name: full_med * statistics.median(t / f for t, f in zip(v, times["full"])) for name, v in times.items()}
     draft = {}
