@@ -4,7 +4,7 @@ import torch
 
 from selfspec import DecodeConfig, SkipPlan, layer_skipper
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.engine.cache import PositionalKVCache
+from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.decoding import Request, Speculator
 from tests.conftest import PROMPT
 
@@ -15,7 +15,7 @@ def _full_cache_keys(model, tokens):
     cache.seek(0, len(tokens))
     with torch.inference_mode():
         model(input_ids=torch.tensor([tokens]), position_ids=torch.arange(len(tokens))[None],
-              past_key_values=cache, use_cache=True)
+              **cache_kwargs(model, cache), use_cache=True)
     return [layer.keys.clone() for layer in cache.layers]
 
 
@@ -25,7 +25,7 @@ def test_skipped_attention_writes_nothing(model):
     with torch.inference_mode(), layer_skipper(model).skipping(plan):
         cache.seek(0, 5)
         model(input_ids=torch.tensor([PROMPT[:5]]), position_ids=torch.arange(5)[None],
-              past_key_values=cache, use_cache=True)
+              **cache_kwargs(model, cache), use_cache=True)
     for i, layer in enumerate(cache.layers):
         written = bool(layer.keys[:, :, :5].abs().sum() > 0)
         assert written == (i not in plan.attn), f"layer {i}"

@@ -20,11 +20,26 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from selfspec.draft.arch import num_layers
 from selfspec.errors import SelfSpecError
+
+
+@functools.cache
+def _cache_keyword(forward_type: type) -> str:
+    params = inspect.signature(forward_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model, cache: Cache) -> dict:
+    """``cache`` as the keyword argument ``model``'s forward takes it by: ``cache`` from transformers 5.24 on,
+    where ``past_key_values`` is deprecated (a FutureWarning on every call), ``past_key_values`` before."""
+    return {_cache_keyword(type(model)): cache}
 
 
 class _Window:

@@ -29,7 +29,7 @@ from selfspec.draft.copy import NGramIndex
 from selfspec.draft.packed import default_rows, packed_weights
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.plan import SkipPlan
-from selfspec.engine.cache import PositionalKVCache
+from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.masks import causal_mask
 from selfspec.engine.sampling import (
     SamplingParams,
@@ -162,7 +162,7 @@ def forward_at(model, cache: PositionalKVCache, tokens: torch.Tensor, start: int
     if attention_mask is None and cache.fixed_keys:
         attention_mask = causal_mask(model, start, width, cache.max_len, tokens.device)
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-    out = model(input_ids=tokens.reshape(1, width), position_ids=pos, past_key_values=cache,
+    out = model(input_ids=tokens.reshape(1, width), position_ids=pos, **cache_kwargs(model, cache),
                 use_cache=True, logits_to_keep=keep + max(pad, 0), **kwargs)
     return out.logits[0, :keep]
 

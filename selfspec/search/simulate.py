@@ -47,7 +47,7 @@ from selfspec.draft.copy import NGramIndex
 from selfspec.draft.packed import packed_weights
 from selfspec.draft.path import DraftPath
 from selfspec.draft.spec import DraftSpec
-from selfspec.engine.cache import PositionalKVCache
+from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.decoding import AdaptiveThreshold, DecodeConfig, forward_at
 from selfspec.engine.masks import layer_masks
 from selfspec.engine.tree import DraftTree
@@ -275,7 +275,7 @@ class RoundSimulator:
         cache.chunk.rows = slice(rows[0], rows[0] + n) if contiguous else torch.tensor(rows, device=self.device)
         with path.drafting():
             out = self.model(input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
-                             position_ids=pos_t.to(self.device), past_key_values=cache, use_cache=True,
+                             position_ids=pos_t.to(self.device), **cache_kwargs(self.model, cache), use_cache=True,
                              attention_mask=mask, logits_to_keep=width)
         logits = out.logits
         if heads is not None:
