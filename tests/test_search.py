@@ -23,6 +23,7 @@ from selfspec.search.costs import CostModel, SublayerCosts
 from selfspec.search.simulate import RoundCounts, RoundSimulator
 from selfspec.search.space import DraftDims, SearchSpace
 from selfspec.search.study import (
+    Evaluation,
     PredictedObjective,
     enqueue_warm_starts,
     finished,
@@ -198,12 +199,39 @@ def test_a_study_on_another_machine_is_rescored_from_its_round_counts(tmp_path, 
     slow_verify = CostModel.from_dict({**COSTS.to_dict(), "t_verify": {str(m): 3.0 for m in range(2, 14)}})
     here = top_drafts(study, space, 12)
     there = top_drafts(study, space, 12, costs=slow_verify)
-    assert {r.trial.number for r in here} == {r.trial.number for r in there}
+    assert {r.spec.key for r in here} == {d.key for r in there for d in (r.spec, *r.twins)}  # twins count once
     for r in there:
         counts = RoundCounts.from_dict(r.trial.user_attrs["counts"])
         assert r.value == pytest.approx(slow_verify.predicted_speedup(counts, r.spec))
         assert r.value < r.trial.value  # a dearer verify pass makes every draft slower
     assert [r.value for r in there] == sorted((r.value for r in there), reverse=True)
+
+
+def test_drafts_predicted_alike_are_re_timed_once(tmp_path):
+    """Copy drafts whose n-gram sizes found the same matches are twins: one stands for them, the next
+    places go to drafts that differ, and with no counts (the wall-clock objective) nothing is merged."""
+    space = SearchSpace(4, dims=DraftDims(model_draft=(False,), ngram=(2, 3, 4, 8), copy_tokens=(5, 10), min_ngram=(0,)))
+    study = open_study(tmp_path / "s.db", "twins", "tiny", "random", 0)
+
+    def objective(spec):  # the counts depend on the copy length only: the n-gram sizes are twins
+        long = spec.options.copy_tokens == 10
+        counts = RoundCounts(tokens=40, plain_steps=4, copy_rounds=Counter({10 if long else 5: 6 if long else 8}),
+                             drafted=60 if long else 40, accepted=30 if long else 28)
+        return Evaluation(COSTS.predicted_speedup(counts, spec), counts.accepted / counts.drafted, 36 / counts.rounds, counts)
+
+    drafts = [DraftSpec(SkipPlan(4), DraftOptions(ngram=n, copy_tokens=c, model_draft=False), k=1)
+              for n in (2, 3, 4, 8) for c in (5, 10)]
+    enqueue_warm_starts(study, space, drafts)
+    run_search(study, space, objective, n_trials=8)
+    assert {space.spec_of(t.params).key for t in study.trials} == {d.key for d in drafts}
+    tops = top_drafts(study, space, 3, costs=COSTS)
+    assert len(tops) == 2  # two behaviours: up to 5 or up to 10 tokens
+    assert {r.spec.options.copy_tokens for r in tops} == {5, 10}
+    for r in tops:
+        assert len(r.twins) == 3
+        assert {t.options.copy_tokens for t in r.twins} == {r.spec.options.copy_tokens}
+        assert {t.options.ngram for t in r.twins} | {r.spec.options.ngram} == {2, 3, 4, 8}
+    assert len(top_drafts(study, space, 3)) == 3  # without a cost model: distinct drafts only
 
 
 def test_budget_enforced(tmp_path, simulator):

@@ -17,11 +17,12 @@ trial is marked FAIL and run again). A study pins what makes its scores comparab
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import optuna
 from optuna.trial import TrialState
@@ -225,11 +226,18 @@ class Ranked:
     spec: DraftSpec
     trial: optuna.trial.FrozenTrial
     value: float  # the trial's predicted speedup, re-scored with ``costs`` when given
+    twins: list[DraftSpec] = field(default_factory=list)  # lower-ranked drafts predicted exactly alike (see top_drafts)
 
 
 def top_drafts(study: optuna.Study, space: SearchSpace, n: int, model: str | None = None,
                costs: CostModel | None = None) -> list[Ranked]:
-    """The ``n`` best distinct drafts; with ``costs``, each trial is re-scored from its stored round counts."""
+    """The ``n`` best distinct drafts; with ``costs``, each trial is re-scored from its stored round counts.
+
+    With ``costs``, drafts with the same round counts over the calibration prompts and the same priced
+    draft, verify and plain time are twins the search cannot tell apart (e.g. copy drafts whose n-gram
+    sizes found the same matches): the best-ranked one stands for them and lists the others in ``twins``,
+    so a re-timing spends its runs on drafts that differ, not on noise between twins.
+    """
     ranked = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         if t.value is None:
@@ -240,11 +248,26 @@ def top_drafts(study: optuna.Study, space: SearchSpace, n: int, model: str | Non
             value = costs.predicted_speedup(RoundCounts.from_dict(t.user_attrs["counts"]), spec)
         ranked.append(Ranked(spec, t, value))
     ranked.sort(key=lambda r: r.value, reverse=True)
-    seen, out = set(), []
+    seen, out, standing = set(), [], {}
     for r in ranked:
-        if r.spec.key not in seen:
-            seen.add(r.spec.key)
+        if r.spec.key in seen:
+            continue
+        seen.add(r.spec.key)
+        twin = _behaviour(r, costs)
+        if twin is not None and twin in standing:
+            standing[twin].twins.append(r.spec)
+            continue
+        if len(out) < n:
             out.append(r)
-        if len(out) == n:
-            break
+            if twin is not None:
+                standing[twin] = r
     return out
+
+
+def _behaviour(r: Ranked, costs: CostModel | None) -> tuple | None:
+    """What the search knows of a draft: its round counts and their priced parts (None without counts)."""
+    if costs is None or "counts" not in r.trial.user_attrs:
+        return None
+    counts = r.trial.user_attrs["counts"]
+    parts = costs.breakdown(RoundCounts.from_dict(counts), r.spec)
+    return json.dumps(counts, sort_keys=True), tuple(round(v, 12) for v in parts.values())
