@@ -160,23 +160,25 @@ def _convert(name: str, final: Path) -> Path:
     # once for the config, once for the weights and once for the tokenizer (results/PERF.md)
     tok_dir = gguf.parent / "tokenizer"
     tokenizer = _TokenizerJob(gguf.parent, gguf.name, tok_dir)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent,
-            gguf_file=gguf.name,
-            dtype=torch.bfloat16,
-            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
-        )
-    except Exception as e:  # a broken file here is an asset problem, not a user bug
-        tokenizer.stop()
-        raise AssetError(f"transformers could not load {gguf}: {e}") from e
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     tmp = final.parent / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    del model
-    tokenizer.wait(gguf)
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent,
+                gguf_file=gguf.name,
+                dtype=torch.bfloat16,
+                quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+            )
+        except Exception as e:  # a broken file here is an asset problem, not a user bug
+            raise AssetError(f"transformers could not load {gguf}: {e}") from e
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        del model
+        tokenizer.wait(gguf)
+    finally:
+        tokenizer.stop()  # a no-op once it ended; else (an error above) the child is not left running
     for f in tok_dir.iterdir():
         shutil.move(str(f), tmp / f.name)
     (tmp / CONVERTED_MARK).write_text(
@@ -211,8 +213,9 @@ class _TokenizerJob:
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
         self.log.close()
 
     def wait(self, gguf: Path) -> None:

@@ -408,7 +408,7 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     # the best few, and the best one with no sublayer skipped (its options alone): the cost model can price
     # a skip above what it saves (it did on the 0.5B, results/PERF.md), and only a real run tells
     entries = [(r.spec, r.value, r.trial.user_attrs.get("predicted_acceptance")) for r in tops]
-    twins = {r.spec.key: [t.describe() for t in r.twins] for r in tops}  # predicted alike: not re-timed
+    alike = {r.spec.key: [t.describe() for t in r.twins] for r in tops}  # predicted alike: not re-timed
     twin = skip_free(tops[0].spec)
     if space.within(twin.plan) and twin.key not in {spec.key for spec, _, _ in entries}:
         p = _predict(sim, costs, twin)
@@ -428,7 +428,7 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
                    "predicted_timed_speedup": p["decode_speedup"], "predicted_timed_acceptance": p["acceptance"],
                    "measured_decode_speedup": m["decode_speedup"],
                    "measured_decode_speedup_range": m["decode_speedup_range"], "measured_speedup": m["speedup"],
-                   "measured_acceptance": m["acceptance"], "twins": twins.get(spec.key, [])}
+                   "measured_acceptance": m["acceptance"], "twins": alike.get(spec.key, [])}
                   for (spec, value, acceptance), p, m in zip(entries, like, timed)]
     best_i = max(range(len(entries)), key=lambda i: timed[i]["decode_speedup"])
     best, best_predicted = entries[best_i][0], entries[best_i][1]
