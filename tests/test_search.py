@@ -86,6 +86,11 @@ def test_the_report_says_why_held_out_prompts_ran_slower():
     assert "about the same acceptance" in heldout_gap(same_acc)
     close = report({"acceptance": 0.6, "tokens_per_round": 3.0, "decode_speedup": 1.6, "speedup": 1.5})
     assert heldout_gap(close) is None and "note:" not in format_report(close)
+    twins = [f"copy only, {n}-gram copy up to 5" for n in (3, 4, 8, 9)]
+    close.candidates = [{"draft": "copy only, 2-gram copy up to 5", "predicted_speedup": 1.3, "measured_decode_speedup": 1.4,
+                         "measured_speedup": 1.3, "twins": twins}]
+    retimed = format_report(close).split("re-timed candidates:\n")[1].splitlines()
+    assert retimed[1] == "    and 4 more with the same predicted rounds, not re-timed: " + "; ".join(twins[:3]) + "; ..."
 
 
 def test_predicted_time_formula():
