@@ -88,6 +88,28 @@ def test_round_costs_sets_measured_parts_beside_the_cost_models(tmp_path, tiny_s
     assert "seconds measured / modelled" in p.stdout
 
 
+def test_calibration_length_replays_the_study_at_its_own_length(tmp_path, tiny_study):
+    from selfspec.assets.models import load_model
+    from selfspec.draft.spec import DraftSpec
+    from selfspec.search.costs import CostModel
+    from selfspec.search.pipeline import study_calibration
+    from selfspec.search.simulate import RoundSimulator
+
+    out, plan = tmp_path / "lengths.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
+    p = _script("calibration_length.py", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan),
+                "--tokens", "12", "20", "--dtype", "float32", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["tokens"] for r in record["rows"]] == [12, 20] and record["machine"]
+    # at the study's own length (search=quick: 12 tokens) the script predicts what the study's continuations give
+    saved, draft = study_calibration(str(tiny_study), "tiny-llama-default"), DraftSpec.load(plan)
+    lm = load_model("tiny-llama", dtype="float32")
+    counts = RoundSimulator(lm.model, saved["key"]["prompts"], saved["continuations"], lm.eos_ids).simulate(draft)
+    expected = CostModel.from_dict(saved["costs"]).predicted_speedup(counts, draft)
+    assert record["rows"][0]["decode_speedup"] == pytest.approx(expected)
+    assert record["rows"][0]["emitted"] == counts.tokens <= record["rows"][1]["emitted"]
+
+
 def _copy_replay():
     import importlib.util
 
