@@ -238,36 +238,29 @@ def top_drafts(study: optuna.Study, space: SearchSpace, n: int, model: str | Non
     sizes found the same matches): the best-ranked one stands for them and lists the others in ``twins``,
     so a re-timing spends its runs on drafts that differ, not on noise between twins.
     """
-    ranked = []
+    ranked = []  # (draft, what the search knows of its behaviour: None without costs or stored counts)
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         if t.value is None:
             continue
         spec = space.spec_of(t.params, model)
-        value = t.value
+        value, behaviour = t.value, None
         if costs is not None and "counts" in t.user_attrs:
-            value = costs.predicted_speedup(RoundCounts.from_dict(t.user_attrs["counts"]), spec)
-        ranked.append(Ranked(spec, t, value))
-    ranked.sort(key=lambda r: r.value, reverse=True)
+            counts = RoundCounts.from_dict(t.user_attrs["counts"])
+            value = costs.predicted_speedup(counts, spec)
+            parts = costs.breakdown(counts, spec)
+            behaviour = json.dumps(t.user_attrs["counts"], sort_keys=True), tuple(round(v, 12) for v in parts.values())
+        ranked.append((Ranked(spec, t, value), behaviour))
+    ranked.sort(key=lambda rb: rb[0].value, reverse=True)
     seen, out, standing = set(), [], {}
-    for r in ranked:
+    for r, behaviour in ranked:
         if r.spec.key in seen:
             continue
         seen.add(r.spec.key)
-        twin = _behaviour(r, costs)
-        if twin is not None and twin in standing:
-            standing[twin].twins.append(r.spec)
+        if behaviour is not None and behaviour in standing:
+            standing[behaviour].twins.append(r.spec)
             continue
         if len(out) < n:
             out.append(r)
-            if twin is not None:
-                standing[twin] = r
+            if behaviour is not None:
+                standing[behaviour] = r
     return out
-
-
-def _behaviour(r: Ranked, costs: CostModel | None) -> tuple | None:
-    """What the search knows of a draft: its round counts and their priced parts (None without counts)."""
-    if costs is None or "counts" not in r.trial.user_attrs:
-        return None
-    counts = r.trial.user_attrs["counts"]
-    parts = costs.breakdown(RoundCounts.from_dict(counts), r.spec)
-    return json.dumps(counts, sort_keys=True), tuple(round(v, 12) for v in parts.values())
