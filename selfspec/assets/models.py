@@ -159,9 +159,8 @@ def _convert(name: str, final: Path) -> Path:
     # GGUF's metadata (151k-token vocabularies) takes seconds of pure Python, and transformers parses it
     # once for the config, once for the weights and once for the tokenizer (results/PERF.md)
     tok_dir = gguf.parent / "tokenizer"
-    tokenizer = _TokenizerJob(gguf.parent, gguf.name, tok_dir)
     tmp = final.parent / f".{name}.tmp"
-    try:
+    with _TokenizerJob(gguf.parent, gguf.name, tok_dir) as tokenizer:
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 gguf.parent,
@@ -177,8 +176,6 @@ def _convert(name: str, final: Path) -> Path:
         model.save_pretrained(tmp)
         del model
         tokenizer.wait(gguf)
-    finally:
-        tokenizer.stop()  # a no-op once it ended; else (an error above) the child is not left running
     for f in tok_dir.iterdir():
         shutil.move(str(f), tmp / f.name)
     (tmp / CONVERTED_MARK).write_text(
@@ -201,7 +198,11 @@ def _convert(name: str, final: Path) -> Path:
 
 
 class _TokenizerJob:
-    """``AutoTokenizer.from_pretrained(work, gguf_file=...).save_pretrained(out)`` in a child process."""
+    """``AutoTokenizer.from_pretrained(work, gguf_file=...).save_pretrained(out)`` in a child process.
+
+    A ``with`` block stops the child on the way out (a no-op once it ended): an error in the block never
+    leaves it running.
+    """
 
     CODE = ("import sys; from transformers import AutoTokenizer; "
             "AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])")
@@ -211,6 +212,12 @@ class _TokenizerJob:
         self.log = open(work / "tokenizer.log", "w+")  # a file, not a pipe: a full pipe would stall the child
         self.proc = subprocess.Popen([sys.executable, "-c", self.CODE, str(work), gguf_name, str(out)],
                                      stdout=self.log, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> _TokenizerJob:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
