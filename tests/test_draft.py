@@ -145,6 +145,27 @@ def test_ngram_index_proposes_the_latest_continuation():
     assert NGramIndex(3).propose(2) == []
 
 
+def test_copies_are_cut_by_the_match_length():
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 10, 11, 12, 13, 14, 1, 2, 3]
+    idx = NGramIndex(3, shortest=1, per_match=2)
+    idx.extend(tokens)
+    # "1 2 3" matched (3 tokens): up to 2*3 = 6 tokens, the k of 8 cut
+    assert idx.propose(8) == [4, 5, 6, 7, 8, 9] and idx.matched == 3
+    assert idx.propose(4) == [4, 5, 6, 7]  # k still caps it
+    idx.extend([15, 9])  # only "9" occurred before: a 1-gram match copies 2 tokens
+    assert idx.propose(8) == [2, 3] and idx.matched == 1
+    uncut = NGramIndex(3, shortest=1)
+    uncut.extend(tokens + [15, 9])
+    assert uncut.propose(8) == [2, 3, 10, 11, 12, 13, 14, 1]
+    with pytest.raises(ValueError, match="per_match"):
+        NGramIndex(2, per_match=-1)
+    with pytest.raises(SelfSpecError, match="copy_per_match"):
+        DraftOptions(ngram=2, copy_per_match=-1)
+    assert "copy_per_match" not in DraftOptions(ngram=2).record()  # older runs' records stay as they were
+    cut = DraftOptions(ngram=2, copy_per_match=2)
+    assert cut.record()["copy_per_match"] == 2 and DraftOptions(**cut.record()) == cut
+
+
 def test_ngram_index_falls_back_to_the_longest_shorter_match():
     tokens = [1, 2, 3, 9, 4, 2, 3, 8, 5, 3, 7, 6, 3]
     idx = NGramIndex(3, shortest=1)

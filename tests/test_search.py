@@ -173,10 +173,17 @@ def test_space_round_trip_and_fixed_dimensions():
     assert fixed.spec_of(params).options.weights == "model" and fixed.spec_of(params).k == 2
     with pytest.raises(SelfSpecError, match="outside the space"):
         fixed.params_of(DraftSpec(SkipPlan(6), k=5))
-    older = SearchSpace(6, dims=DraftDims(min_ngram=(0,), model_draft=(True,)))
+    older = SearchSpace(6, dims=DraftDims(min_ngram=(0,), model_draft=(True,), copy_per_match=(0,)))
     # dimensions added later, held at their one old value, leave the description: older studies resume
-    assert {"copy_fallback", "head_weights", "min_ngram", "model_draft"}.isdisjoint(older.describe()["dims"])
-    assert {"min_ngram", "model_draft"} <= set(space.describe()["dims"])
+    assert {"copy_fallback", "head_weights", "min_ngram", "model_draft", "copy_per_match"}.isdisjoint(
+        older.describe()["dims"])
+    assert {"min_ngram", "model_draft", "copy_per_match"} <= set(space.describe()["dims"])
+    cut = DraftSpec(SkipPlan(6), DraftOptions(ngram=8, min_ngram=2, copy_tokens=10, copy_per_match=2,
+                                              model_draft=False), k=1)
+    assert space.spec_of(space.params_of(cut)) == cut and "2 per matched token" in cut.describe()
+    uncut = space.spec_of({**space.params_of(cut), "copy_per_match": 0})
+    assert uncut.key != cut.key  # a different draft, not a twin by construction
+    assert space.spec_of({**space.params_of(cut), "ngram": 0}).options.copy_per_match == 0  # no copying, no cut
     heads = SearchSpace(6, dims=DraftDims(weights=("int8",), head_weights=("model", "int4"), group_size=(32, 128)))
     low = DraftSpec(SkipPlan(6), DraftOptions(weights="int8", head_tokens=16384, head_weights="int4", group_size=128))
     assert heads.spec_of(heads.params_of(low)) == low
@@ -208,7 +215,10 @@ def test_a_study_on_another_machine_is_rescored_from_its_round_counts(tmp_path, 
     for r in there:
         counts = RoundCounts.from_dict(r.trial.user_attrs["counts"])
         assert r.value == pytest.approx(slow_verify.predicted_speedup(counts, r.spec))
-        assert r.value < r.trial.value  # a dearer verify pass makes every draft slower
+        if counts.rounds:
+            assert r.value < r.trial.value  # a dearer verify pass makes every draft that verifies slower
+        else:  # a copy-only draft that never matched took plain steps only: no verify to price
+            assert r.value == r.trial.value
     assert [r.value for r in there] == sorted((r.value for r in there), reverse=True)
 
 

@@ -25,6 +25,8 @@ SPECS = {
                                                                           copy_candidates=2, tree_nodes=20), k=3),
     "copy_only": DraftSpec(SkipPlan(N_LAYERS), DraftOptions(ngram=2, min_ngram=1, copy_tokens=5, model_draft=False),
                            k=1),
+    "copy_per_match": DraftSpec(SkipPlan(N_LAYERS), DraftOptions(ngram=3, min_ngram=1, copy_tokens=8, copy_per_match=2,
+                                                                 model_draft=False), k=1),
     "copy_only_tree": DraftSpec(SkipPlan(N_LAYERS), DraftOptions(ngram=1, copy_candidates=3, tree_nodes=6,
                                                                  model_draft=False), k=3),
 }

@@ -12,13 +12,18 @@ class NGramIndex:
     With ``shortest`` below ``n``, a lookup whose last n tokens never occurred before falls back
     to the last n-1 tokens, then n-2, down to ``shortest`` (prompt lookup's rule: the longest
     match wins); :attr:`matched` says how long the last lookup's match was (0: none).
+    With ``per_match`` c >= 1, a match of m tokens proposes at most c*m tokens: a short match
+    is right less often, and a long wrong copy makes the verify forward wider for nothing.
     """
 
-    def __init__(self, n: int, shortest: int | None = None) -> None:
+    def __init__(self, n: int, shortest: int | None = None, per_match: int = 0) -> None:
         self.n = n
         self.shortest = shortest or n
         if not 1 <= self.shortest <= n:
             raise ValueError(f"shortest match must be between 1 and n={n}, got {shortest}")
+        if per_match < 0:
+            raise ValueError(f"per_match must be >= 0 (0: every match copies up to k), got {per_match}")
+        self.per_match = per_match
         self.tokens: list[int] = []
         # keyed by the m-gram itself: grams of different lengths never collide
         self.seen: dict[tuple[int, ...], list[int]] = {}
@@ -42,12 +47,14 @@ class NGramIndex:
 
     def propose_many(self, k: int, m: int) -> list[list[int]]:
         """Up to ``m`` distinct continuations (up to ``k`` tokens each) of earlier occurrences of
-        the last n tokens (or, with none, of the longest shorter match), latest occurrence first."""
+        the last n tokens (or, with none, of the longest shorter match), latest occurrence first;
+        with ``per_match``, at most ``per_match`` tokens per matched token."""
         self.matched = 0
         for length in range(min(self.n, len(self.tokens)), self.shortest - 1, -1):
             out: list[list[int]] = []
+            cap = min(k, self.per_match * length) if self.per_match else k
             for start in reversed(self.seen.get(tuple(self.tokens[-length:]), ())):
-                cont = self.tokens[start : start + k]
+                cont = self.tokens[start : start + cap]
                 if cont not in out:
                     out.append(cont)
                     if len(out) == m:

@@ -22,7 +22,8 @@ second model and without touching what verification computes:
   round drafts by copying what followed them (prompt lookup, :class:`NGramIndex`),
   up to ``copy_tokens`` tokens (default: k), and runs no draft forward at all;
   with ``min_ngram: m``, a context with no n-gram match falls back to the longest
-  match of n-1 .. m tokens before the model drafts; with ``model_draft: false`` the
+  match of n-1 .. m tokens before the model drafts; with ``copy_per_match: c`` a match
+  of m tokens copies at most c*m tokens; with ``model_draft: false`` the
   model never drafts: a round with no match takes a plain step (copy drafting alone,
   as prompt lookup runs it).
 
@@ -63,6 +64,9 @@ class DraftOptions:
     # m < ngram: with no n-gram match, copy after the longest match of ngram-1 .. m tokens before drafting
     # with the model (prompt lookup's rule, its max_matching_ngram_size down to m); 0 = n-gram matches only
     min_ngram: int = 0
+    # c >= 1: a copy after a match of m tokens drafts at most c*m tokens (and at most copy_tokens, or k); short
+    # matches are wrong more often and a long wrong copy widens the verify for nothing; 0 = every match copies alike
+    copy_per_match: int = 0
     # draft trees (greedy decoding only; selfspec.engine.tree): several candidates in one verify forward
     copy_candidates: int = 1  # distinct continuations of earlier n-gram matches, latest first; 1 = a chain
     branch_below: float = 0.0  # model drafts add the 2nd-best token where the top probability is below this
@@ -79,8 +83,8 @@ class DraftOptions:
             raise SelfSpecError(f"draft weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.head_weights not in WEIGHTS:
             raise SelfSpecError(f"head_weights must be one of {', '.join(WEIGHTS)}, got {self.head_weights!r}")
-        if self.head_tokens < 0 or self.ngram < 0 or self.copy_tokens < 0:
-            raise SelfSpecError("head_tokens, ngram and copy_tokens must be >= 0")
+        if self.head_tokens < 0 or self.ngram < 0 or self.copy_tokens < 0 or self.copy_per_match < 0:
+            raise SelfSpecError("head_tokens, ngram, copy_tokens and copy_per_match must be >= 0")
         if self.copy_candidates < 1 or self.tree_nodes < 1:
             raise SelfSpecError("copy_candidates and tree_nodes must be >= 1")
         if not 0.0 <= self.branch_below < 1.0:
@@ -111,8 +115,8 @@ class DraftOptions:
     def record(self) -> dict | None:
         """The options as a run records them (None for the plan-only draft).
 
-        ``copy_tokens``, ``min_ngram``, ``copy_fallback``, ``head_weights``, ``model_draft`` and the tree options
-        appear only when set, so runs recorded before they existed still resume.
+        ``copy_tokens``, ``min_ngram``, ``copy_per_match``, ``copy_fallback``, ``head_weights``, ``model_draft`` and
+        the tree options appear only when set, so runs recorded before they existed still resume.
         """
         if self.plain and not self.ngram and not self.tree:
             return None
@@ -123,6 +127,8 @@ class DraftOptions:
             del rec["copy_tokens"]
         if not self.min_ngram:
             del rec["min_ngram"]
+        if not self.copy_per_match:
+            del rec["copy_per_match"]
         if not self.copy_fallback:
             del rec["copy_fallback"]
         if self.model_draft:

@@ -57,6 +57,8 @@ class DraftSpec:
             key += (("min_ngram", o.min_ngram),)
         if not o.model_draft:
             key += ("copy_only",)
+        if o.ngram and o.copy_per_match:
+            key += (("copy_per_match", o.copy_per_match),)
         return key
 
     def describe(self) -> str:
@@ -71,7 +73,8 @@ class DraftSpec:
             parts.append(f"head {o.head_tokens or 'full'}{low}")
         if o.ngram:
             parts.append(f"{o.ngram}-gram copy" + (f" (down to {o.min_ngram}-gram)" if o.min_ngram else "")
-                         + (f" up to {o.copy_tokens}" if o.copy_tokens else ""))
+                         + (f" up to {o.copy_tokens}" if o.copy_tokens else "")
+                         + (f", {o.copy_per_match} per matched token" if o.copy_per_match else ""))
         if o.tree:
             tree = [f"{o.copy_candidates} copy candidates"] if o.ngram and o.copy_candidates > 1 else []
             tree += [f"branch below {o.branch_below:.2f}"] if o.branch_below else []

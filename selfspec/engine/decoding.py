@@ -310,7 +310,7 @@ class Speculator:
         self.cfg = run.cfg
         self.path = path
         opts = path.options
-        self.ngram = NGramIndex(opts.ngram, opts.min_ngram or None) if opts.ngram else None
+        self.ngram = NGramIndex(opts.ngram, opts.min_ngram or None, opts.copy_per_match) if opts.ngram else None
         self.threshold = AdaptiveThreshold(self.cfg)
         self.tree = path.options.tree
         fallback = path.options.copy_fallback

@@ -175,6 +175,8 @@ def ablation_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
         out.append(("without copy drafting", spec.replace(options=_options(o, **_NO_COPY))))
     if o.min_ngram:
         out.append(("without shorter copies", spec.replace(options=_options(o, min_ngram=0))))
+    if o.copy_per_match:
+        out.append(("copies not cut by match length", spec.replace(options=_options(o, copy_per_match=0))))
     if o.tree:
         out.append(("a chain (no draft tree)", spec.replace(options=_options(o, copy_candidates=1, branch_below=0.0))))
     if spec.adaptive:
@@ -211,7 +213,7 @@ def skip_free(spec: DraftSpec) -> DraftSpec:
 
 
 # the options a draft with no copy drafting sets (the copy settings need an n-gram size)
-_NO_COPY = {"ngram": 0, "copy_tokens": 0, "min_ngram": 0, "copy_fallback": 0, "model_draft": True}
+_NO_COPY = {"ngram": 0, "copy_tokens": 0, "min_ngram": 0, "copy_per_match": 0, "copy_fallback": 0, "model_draft": True}
 
 
 def _options(o: DraftOptions, **changes) -> DraftOptions:

@@ -293,7 +293,7 @@ class RoundSimulator:
             return out
         threshold = AdaptiveThreshold(DecodeConfig(k=spec.k, adaptive=spec.adaptive, threshold=spec.threshold))
         opts = spec.options
-        ngram = NGramIndex(opts.ngram, opts.min_ngram or None) if opts.ngram else None
+        ngram = NGramIndex(opts.ngram, opts.min_ngram or None, opts.copy_per_match) if opts.ngram else None
         tree = opts.tree  # the search simulates greedy decoding, where trees are verified
         fallback = NGramIndex(opts.copy_fallback) if tree and opts.copy_fallback else None
         for idx in (ngram, fallback):

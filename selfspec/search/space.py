@@ -5,8 +5,8 @@
   ``min_skipped..max_skipped`` is pruned unscored by the study);
 - the draft options and length policy (:class:`DraftDims`): precision of the kept
   weights, int4 group size, draft head size, k, the adaptive exit and its threshold,
-  copy drafting (n-gram size, longest copy, copy only or with model drafts), and draft trees (copy candidates, branching
-  threshold, node budget: :mod:`selfspec.engine.tree`).
+  copy drafting (n-gram size, longest copy, copy length per matched token, copy only or with model drafts),
+  and draft trees (copy candidates, branching threshold, node budget: :mod:`selfspec.engine.tree`).
 
 Each option dimension is a list of values; a list of one value fixes it (no Optuna
 parameter is made for it), e.g. ``weights: [model]`` for a pure layer-skip search as
@@ -37,6 +37,7 @@ class DraftDims:
     ngram: tuple[int, ...] = (0, 2, 3, 4, 8)  # 8: the longest match of up to 8 tokens picks the occurrence (min_ngram)
     copy_tokens: tuple[int, ...] = (0, 5, 10)
     min_ngram: tuple[int, ...] = (0, 1, 2)  # shortest match copied when the n-gram has none (m < ngram; 0 = n-gram only)
+    copy_per_match: tuple[int, ...] = (0, 2)  # c: a match of m tokens copies at most c*m tokens (0 = up to the limit)
     copy_candidates: tuple[int, ...] = (1, 3)  # draft trees: distinct copy continuations verified at once
     branch_below: tuple[float, ...] = (0.0, 0.3)  # draft trees: 2nd-best token where the draft is less sure
     tree_nodes: tuple[int, ...] = (6, 12)  # draft trees: most nodes one verify covers
@@ -45,7 +46,8 @@ class DraftDims:
 
     def __post_init__(self) -> None:
         for name in ("weights", "group_size", "head_tokens", "head_weights", "k", "adaptive", "threshold", "ngram", "copy_tokens",
-                     "min_ngram", "copy_candidates", "branch_below", "tree_nodes", "copy_fallback", "model_draft"):
+                     "min_ngram", "copy_per_match", "copy_candidates", "branch_below", "tree_nodes", "copy_fallback",
+                     "model_draft"):
             if not getattr(self, name):
                 raise SelfSpecError(f"search.space.{name} is empty: give at least one value")
         for name in ("weights", "head_weights"):
@@ -55,6 +57,8 @@ class DraftDims:
         for name in ("k", "copy_candidates", "tree_nodes"):
             if min(getattr(self, name)) < 1:
                 raise SelfSpecError(f"search.space.{name} values must be >= 1")
+        if min(self.copy_per_match) < 0:
+            raise SelfSpecError("search.space.copy_per_match values must be >= 0 (0: off)")
 
     @property
     def longest_verify(self) -> int:
@@ -115,11 +119,11 @@ class SearchSpace:
         """What the study pins: a resumed study refuses another space."""
         return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
                 "protect_first_last": self.protect_first_last,
-                # copy_fallback, min_ngram, head_weights and model_draft only when searched, so studies made before
-                # them still resume
+                # copy_fallback, min_ngram, copy_per_match, head_weights and model_draft only when searched, so
+                # studies made before them still resume
                 "dims": {k: list(v) for k, v in asdict(self.dims).items()
-                         if (k, v) not in (("copy_fallback", (0,)), ("min_ngram", (0,)), ("head_weights", ("model",)),
-                                           ("model_draft", (True,)))}}
+                         if (k, v) not in (("copy_fallback", (0,)), ("min_ngram", (0,)), ("copy_per_match", (0,)),
+                                           ("head_weights", ("model",)), ("model_draft", (True,)))}}
 
     # -- params <-> drafts -------------------------------------------------------------
     def _option_dims(self) -> dict[str, tuple]:
@@ -127,7 +131,8 @@ class SearchSpace:
         return {"weights": d.weights, "group_size": d.group_size, "head_tokens": d.head_tokens,
                 "head_weights": d.head_weights, "k": d.k,
                 "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens,
-                "min_ngram": d.min_ngram, "copy_candidates": d.copy_candidates, "branch_below": d.branch_below,
+                "min_ngram": d.min_ngram, "copy_per_match": d.copy_per_match, "copy_candidates": d.copy_candidates,
+                "branch_below": d.branch_below,
                 "tree_nodes": d.tree_nodes,
                 "copy_fallback": d.copy_fallback, "model_draft": d.model_draft}
 
@@ -138,11 +143,12 @@ class SearchSpace:
         values = {"weights": o.weights, "group_size": o.group_size, "head_tokens": o.head_tokens,
                   "head_weights": o.head_weights, "k": spec.k,
                   "adaptive": spec.adaptive, "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
-                  "min_ngram": o.min_ngram, "copy_candidates": o.copy_candidates, "branch_below": o.branch_below,
+                  "min_ngram": o.min_ngram, "copy_per_match": o.copy_per_match, "copy_candidates": o.copy_candidates,
+                  "branch_below": o.branch_below,
                   "tree_nodes": o.tree_nodes,
                   "copy_fallback": o.copy_fallback, "model_draft": o.model_draft}
         unused = {"group_size": "int4" not in (o.weights, o.head_weights), "threshold": not spec.adaptive,
-                  "copy_tokens": not o.ngram, "min_ngram": o.ngram < 2,
+                  "copy_tokens": not o.ngram, "min_ngram": o.ngram < 2, "copy_per_match": not o.ngram,
                   "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2,
                   "model_draft": not o.ngram}
         if not o.model_draft:  # a copy-only draft has no model draft to shape
@@ -176,6 +182,7 @@ class SearchSpace:
         options = DraftOptions(weights=v["weights"], group_size=v["group_size"], head_tokens=v["head_tokens"],
                                head_weights=v["head_weights"],
                                ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0, min_ngram=min_ngram,
+                               copy_per_match=v["copy_per_match"] if v["ngram"] else 0,
                                copy_candidates=v["copy_candidates"] if v["ngram"] else 1,
                                branch_below=v["branch_below"],
                                copy_fallback=v["copy_fallback"] if v["copy_fallback"] < shortest else 0,
