@@ -159,6 +159,9 @@ def test_a_copy_only_draft_in_the_space_is_one_draft_per_copy_setting():
     assert "model_draft" not in DraftOptions(ngram=2).record()
     with pytest.raises(SelfSpecError, match="needs copy drafting"):
         DraftOptions(model_draft=False)
+    with pytest.raises(SelfSpecError, match="drop 0 from it"):  # else its ngram=0 trials draft with the model
+        DraftDims(model_draft=(False,))
+    assert DraftDims(model_draft=(False,), ngram=(2, 8)).model_draft == (False,)
 
 
 def test_space_round_trip_and_fixed_dimensions():

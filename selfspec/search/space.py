@@ -59,6 +59,10 @@ class DraftDims:
                 raise SelfSpecError(f"search.space.{name} values must be >= 1")
         if min(self.copy_per_match) < 0:
             raise SelfSpecError("search.space.copy_per_match values must be >= 0 (0: off)")
+        if True not in self.model_draft and 0 in self.ngram:
+            raise SelfSpecError("search.space.model_draft=[false] searches copy-only drafts, but search.space.ngram "
+                                "holds 0 (no copying), which only a model draft can run: drop 0 from it, "
+                                "e.g. 'search.space.ngram=[2,3,4,8]'")
 
     @property
     def longest_verify(self) -> int:
