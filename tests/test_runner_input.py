@@ -209,3 +209,26 @@ def test_the_console_table_keeps_long_variant_names_in_their_column(capsys):
     head, first, second = capsys.readouterr().out.splitlines()[:3]
     end = head.index("samples") + len("samples")
     assert first[end - 1] == "3" == second[end - 1] and first[end] == " " == second[end]
+
+
+def test_interleaved_shows_a_bar_of_its_timed_runs_only_when_labelled(capsys):
+    from selfspec.engine.decoding import Generation
+    from selfspec.engine.stats import DecodeStats
+    from selfspec.eval.harness import interleaved
+
+    calls = []
+
+    def runner(name):
+        def run(ids, max_new_tokens):
+            calls.append((name, max_new_tokens))
+            return Generation(tokens=[1], stats=DecodeStats(method=name, requests=1, new_tokens=1, total_time=0.1))
+        return run
+
+    runs = {"a": runner("a"), "b": runner("b")}
+    out = interleaved(runs, [[1], [2], [3]], reps=2, warmup_tokens=2, progress="re-timing")
+    assert [len(v) for v in out.values()] == [2, 2]
+    assert len(calls) == 2 + 2 * 3 * 2  # one warm-up each, then every method on every prompt, twice
+    err = capsys.readouterr().err
+    assert "re-timing" in err and "12/12" in err
+    interleaved(runs, [[1]], warmup_tokens=0)
+    assert capsys.readouterr().err == ""

@@ -15,8 +15,11 @@ its configured length), e.g. :meth:`selfspec.eval.methods.Method.generate`.
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
+
+from tqdm.auto import tqdm
 
 from selfspec.engine.decoding import Generation
 from selfspec.engine.stats import DecodeStats
@@ -52,10 +55,12 @@ def recording(run: Runner, outputs: list[list[int]]) -> Runner:
 
 
 def interleaved(runs: Mapping[str, Runner], prompts: Sequence[list[int]], reps: int = 1,
-                warmup_tokens: int = 8, max_new_tokens: int | None = None) -> dict[str, list[DecodeStats]]:
+                warmup_tokens: int = 8, max_new_tokens: int | None = None,
+                progress: str | None = None) -> dict[str, list[DecodeStats]]:
     """Run every method on every prompt ``reps`` times after a warm-up, the order rotating each time.
 
     Returns, per method, one :class:`DecodeStats` per repetition (that repetition's prompts merged).
+    ``progress``: a progress bar of the timed runs on stderr, with this label (none when ``None``).
     """
     if reps < 1 or not prompts:
         raise ValueError("interleaved needs at least one repetition and one prompt")
@@ -64,14 +69,17 @@ def interleaved(runs: Mapping[str, Runner], prompts: Sequence[list[int]], reps: 
         warm_up(runs, prompts[0], warmup_tokens)
     per_rep: dict[str, list[DecodeStats]] = {name: [] for name in names}
     turn = 0
-    for _ in range(reps):
-        parts: dict[str, list[DecodeStats]] = {name: [] for name in names}
-        for ids in prompts:
-            for name in rotated(names, turn):
-                parts[name].append(runs[name](ids, max_new_tokens).stats)
-            turn += 1
-        for name in names:
-            per_rep[name].append(DecodeStats.merged(parts[name]))
+    with tqdm(total=reps * len(prompts) * len(names), desc=progress, unit="run", file=sys.stderr,
+              disable=progress is None) as bar:
+        for _ in range(reps):
+            parts: dict[str, list[DecodeStats]] = {name: [] for name in names}
+            for ids in prompts:
+                for name in rotated(names, turn):
+                    parts[name].append(runs[name](ids, max_new_tokens).stats)
+                    bar.update()
+                turn += 1
+            for name in names:
+                per_rep[name].append(DecodeStats.merged(parts[name]))
     return per_rep
 
 

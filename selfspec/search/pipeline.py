@@ -331,7 +331,8 @@ def _calibration(study: optuna.Study, storage, lm: LoadedModel, calib_ids: list[
         if saved.get("key") != key:
             _stage("calibrating: the full model's continuations (once per study)")
             cfg = DecodeConfig(max_new_tokens=s.calibration_tokens)
-            saved = {"key": key, "continuations": [autoregressive(lm.model, p, cfg, lm.eos_ids).tokens for p in calib_ids],
+            bar = tqdm(calib_ids, desc="calibration", unit="prompt", file=sys.stderr, leave=False)
+            saved = {"key": key, "continuations": [autoregressive(lm.model, p, cfg, lm.eos_ids).tokens for p in bar],
                      **({"costs": saved["costs"]} if "costs" in saved else {})}
         if not _costs_fit(saved, space):
             old = CostModel.from_dict(saved["costs"]) if "costs" in saved else None
@@ -421,7 +422,7 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
            f"{s.retime.reps} reps)")
     timed_conts: list[list[int]] = []  # the full model's continuations of the timed prompts, as long as the runs
     timed = retime(lm.model, timed_ids, [spec for spec, _, _ in entries], lm.eos_ids,
-                   s.retime.max_new_tokens, s.retime.reps, ar_tokens=timed_conts)
+                   s.retime.max_new_tokens, s.retime.reps, ar_tokens=timed_conts, progress="re-timing")
     # predictions to set beside the measurements: the same prompts and continuations as the timed runs (the
     # trials' predictions cover every calibration prompt over calibration_tokens, another sample)
     timed_sim = RoundSimulator(lm.model, timed_ids, timed_conts, lm.eos_ids)
@@ -441,7 +442,7 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
         _stage(f"timing the chosen draft on {len(held_ids)} held-out prompts ({s.heldout.max_new_tokens} tokens)")
         held_conts: list[list[int]] = []  # the full model's continuations: AR's tokens in the timed runs
         heldout["measured"] = _subset(retime(lm.model, held_ids, [best], lm.eos_ids, s.heldout.max_new_tokens,
-                                             s.heldout.reps, ar_tokens=held_conts)[0])
+                                             s.heldout.reps, ar_tokens=held_conts, progress="held-out")[0])
         heldout["predicted"] = _predict(RoundSimulator(lm.model, held_ids, held_conts, lm.eos_ids), costs, best)
         stages["held-out check"], t = time.perf_counter() - t, time.perf_counter()
     ablation = []
@@ -449,7 +450,7 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
         variants = ablation_variants(best)
         _stage(f"ablation: the chosen draft without each of its levers ({len(variants)} variants)")
         measured = retime(lm.model, timed_ids, [v for _, v in variants], lm.eos_ids,
-                          s.retime.max_new_tokens, s.retime.reps)
+                          s.retime.max_new_tokens, s.retime.reps, progress="ablation")
         ablation = [{"variant": name, "draft": v.describe(), "predicted": _predict(timed_sim, costs, v),
                      "measured": _subset(m)}
                     for (name, v), m in zip(variants, measured)]

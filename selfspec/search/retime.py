@@ -39,7 +39,7 @@ def spec_runner(model, eos_ids, spec: DraftSpec, base: DecodeConfig) -> Runner:
 
 
 def retime(model, prompts, specs: list[DraftSpec], eos_ids, max_new_tokens: int, reps: int,
-           ar_tokens: list[list[int]] | None = None) -> list[dict]:
+           ar_tokens: list[list[int]] | None = None, progress: str | None = None) -> list[dict]:
     """AR and each draft on ``prompts``, interleaved after a warm-up; medians over ``reps``.
 
     ``speedup`` is end to end (tokens over total time, the prompt's prefill included);
@@ -47,14 +47,15 @@ def retime(model, prompts, specs: list[DraftSpec], eos_ids, max_new_tokens: int,
     the search predicts. Both are medians over repetitions of the ratio to AR *in the same
     repetition* (drift between repetitions cancels); ``decode_speedup_range`` is the lowest and
     highest of those ratios. ``ar_tokens``, if given, receives AR's tokens on each prompt (the full
-    model's greedy continuations, which the search's prediction replays).
+    model's greedy continuations, which the search's prediction replays). ``progress``: the label
+    of a progress bar of the runs (none when ``None``).
     """
     base = DecodeConfig(max_new_tokens=max_new_tokens, fallback=False)
     outputs: list[list[int]] = []
     runs = {AR: recording(plan_runner(model, eos_ids, None, base), outputs)}
     for i, spec in enumerate(specs):
         runs[f"draft{i}"] = spec_runner(model, eos_ids, spec, base)
-    per_rep = interleaved(runs, prompts, reps, warmup_tokens=4)
+    per_rep = interleaved(runs, prompts, reps, warmup_tokens=4, progress=progress)
     if ar_tokens is not None:
         ar_tokens[:] = outputs[: len(prompts)]  # the first repetition's, in prompt order
     speedup = speedups(per_rep, AR)
