@@ -101,7 +101,8 @@ def test_a_quantized_draft_head_scores_its_base_low_and_the_prompt_in_bf16(weigh
     cut = DraftPath(model, PLAN, DraftOptions(head_tokens=40, head_weights=weights, group_size=32), stop_ids=(2, 90))
     cut.prepare(prompt)
     out = model.get_output_embeddings()
-    assert out.low is not None and out.low[3].shape[0] % 16 == 0  # 41 base rows padded for the int4 kernel
+    low = cut.head_choice[2]  # the path's own choice, put in place on the shared head while it drafts
+    assert low is not None and low[3].shape[0] % 16 == 0  # 41 base rows padded for the int4 kernel
     with cut.drafting():
         got = out(x).float()
     base = list(range(40)) + [90]
@@ -201,3 +202,35 @@ def test_bad_draft_options():
     path = DraftPath(model, PLAN, DraftOptions())
     with pytest.raises(SelfSpecError, match="another plan"):
         self_speculative(model, PROMPT, SkipPlan(4, attn=(2,)), DecodeConfig(max_new_tokens=4), draft=path)
+
+
+def _draft_logits(model, path: DraftPath, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode(), path.drafting():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def test_paths_built_on_one_model_each_draft_with_their_own_weights_and_head():
+    """The quantized wrappers and the cut head belong to the model, and every path of it shares them: a
+    path built later (a search's next candidate, a second method of a comparison) must not change what an
+    earlier one drafts with (it did: the cost model timed every low-precision format as the last one built)."""
+    ids = PROMPT + PROMPT
+    alone = {}
+    kinds = [DraftOptions(weights="int8"), DraftOptions(weights="int4", group_size=32, head_tokens=40),
+             DraftOptions(weights="int4", group_size=64, head_weights="int4")]
+    for opts in kinds:  # each path on a fresh model of the same weights
+        model = tiny_model("qwen2", vocab_size=96)
+        path = DraftPath(model, PLAN, opts, stop_ids=(2,))
+        path.prepare(torch.tensor(ids))
+        alone[opts] = _draft_logits(model, path, ids)
+    model = tiny_model("qwen2", vocab_size=96)
+    paths = {opts: DraftPath(model, PLAN, opts, stop_ids=(2,)) for opts in kinds}
+    for path in paths.values():
+        path.prepare(torch.tensor(ids))  # all prepared first, as the cost model does
+    for opts in [*kinds, *reversed(kinds)]:  # then used in turn, after the others
+        got = _draft_logits(model, paths[opts], ids)
+        assert torch.equal(got, alone[opts]), opts
+        assert {(lin.kind, lin.group) for lin in paths[opts].linears} == {(opts.weights, 0 if opts.weights == "int8"
+                                                                           else opts.group_size)}
+    assert torch.isinf(alone[kinds[1]]).sum() > 0 and not torch.isinf(alone[kinds[0]]).any()
+    sizes = {opts: paths[opts].extra_bytes for opts in kinds}
+    assert sizes[kinds[0]] > sizes[kinds[2]]  # int8 copies outweigh int4 ones, whichever format is in use

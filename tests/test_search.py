@@ -19,7 +19,7 @@ from selfspec.assets.tiny import TINY_VOCAB, tiny_model
 from selfspec.draft.path import DraftOptions
 from selfspec.draft.spec import DraftSpec
 from selfspec.search import workers
-from selfspec.search.costs import CostModel, SublayerCosts
+from selfspec.search.costs import COST_MODEL_VERSION, CostModel, SublayerCosts
 from selfspec.search.simulate import RoundCounts, RoundSimulator
 from selfspec.search.space import DraftDims, SearchSpace
 from selfspec.search.study import (
@@ -429,6 +429,14 @@ def test_cli_remeasures_costs_on_another_machine_and_says_so(tmp_path):
     out, err = _cli(tmp_path, "logger=none", "search.n_trials=3").communicate(timeout=300)
     assert "cost model re-measured on this machine" in out and "another CPU" in out, err
     assert _study(tmp_path).user_attrs["calibration_data"]["costs"]["machine"]["cpu"] != "another CPU"
+    # a cost model measured on this machine the way an older selfspec measured it (version 1) is measured again
+    study = _study(tmp_path)
+    saved = study.user_attrs["calibration_data"]
+    del saved["costs"]["version"]
+    study.set_user_attr("calibration_data", saved)
+    out, err = _cli(tmp_path, "logger=none", "search.n_trials=3").communicate(timeout=300)
+    assert "measuring the cost model" in err and "version 1" in out, err
+    assert _study(tmp_path).user_attrs["calibration_data"]["costs"]["version"] == COST_MODEL_VERSION
 
 
 def test_a_torn_calibration_file_of_an_older_study_is_calibrated_again(tmp_path):

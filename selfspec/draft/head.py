@@ -62,15 +62,22 @@ class CutHead(nn.Module):
             self.copies[key] = (weights, key[1], base.to(w.device), *quantize(rows.contiguous(), weights, group_size))
         return self.copies[key]
 
-    def choose(self, ids: torch.Tensor, low: tuple | None = None) -> None:
-        """What this request's draft scores: ``ids``, with ``low`` (a :meth:`copy_for` copy) scoring its base
-        ids through quantized rows and only the other ids on bf16 rows."""
-        self.low = low
+    def choice(self, ids: torch.Tensor, low: tuple | None = None) -> tuple:
+        """What a request's draft scores: ``ids``, with ``low`` (a :meth:`copy_for` copy) scoring its base
+        ids through quantized rows and only the other ids on bf16 rows. Returns the state :meth:`use` puts in
+        place: (ids on bf16 rows, their rows, ``low``)."""
         if low is not None:
             base = low[2]
             ids = ids[~torch.isin(ids.to(base.device), base)]
-        self.ids = ids
-        self.rows = self.inner.weight.detach().index_select(0, ids).contiguous()
+        return ids, self.inner.weight.detach().index_select(0, ids).contiguous(), low
+
+    def use(self, choice: tuple) -> None:
+        """Score what :meth:`choice` chose (the head is shared by every draft path of the model: each path
+        puts its own choice in place when it starts drafting)."""
+        self.ids, self.rows, self.low = choice
+
+    def choose(self, ids: torch.Tensor, low: tuple | None = None) -> None:
+        self.use(self.choice(ids, low))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active or (self.ids is None and self.low is None):

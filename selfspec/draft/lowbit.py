@@ -77,7 +77,13 @@ class LowPrecisionLinear(LinearWrapper):
 
     @property
     def extra_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.qscale))
+        """The copy in use."""
+        return self.copy_bytes(self.kind, self.group)
+
+    def copy_bytes(self, weights: str, group_size: int) -> int:
+        """The copy in this format (made by :meth:`configure`)."""
+        pair = self.copies[(weights, 0 if weights == "int8" else group_size)]
+        return sum(t.numel() * t.element_size() for t in pair)
 
     @property
     def kept_bytes(self) -> int:

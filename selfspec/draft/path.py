@@ -160,6 +160,7 @@ class DraftPath:
         self.head: CutHead | None = None
         self.base_ids: torch.Tensor | None = None
         self.head_low: tuple | None = None  # the quantized copy of the head's base rows (head_weights)
+        self.head_choice: tuple | None = None  # what this path's head scores (CutHead.choice), set per request
         if options.head_tokens or options.head_weights != "model":
             if options.head_weights != "model" and next(model.parameters()).device.type != "cpu":
                 raise SelfSpecError("int8/int4 draft heads use CPU kernels; use head_weights=model on other devices")
@@ -183,13 +184,14 @@ class DraftPath:
         """
         head = 0
         if self.head is not None:
-            w, rows, low = self.head.inner.weight, self.head.rows, self.head_low
+            w, low = self.head.inner.weight, self.head_low
+            rows = self.head_choice[1] if self.head_choice is not None else None
             if low is None:
                 head = (rows.shape[0] if rows is not None else self.base_ids.numel()) * w.shape[1] * w.element_size()
             else:  # the quantized base rows, and a request's extra ids in bf16
                 head = sum(t.numel() * t.element_size() for t in low[3:]) + (0 if rows is None else
                                                                              rows.numel() * rows.element_size())
-        return sum(lin.extra_bytes for lin in self.linears) + head
+        return sum(lin.copy_bytes(self.options.weights, self.options.group_size) for lin in self.linears) + head
 
     def head_ids(self, prompt: torch.Tensor) -> torch.Tensor:
         """The ids the cut head scores for a request: the base ids and the prompt's own tokens."""
@@ -201,16 +203,23 @@ class DraftPath:
             self.choose_head(self.head_ids(prompt))
 
     def choose_head(self, ids: torch.Tensor) -> None:
-        """The draft head scores ``ids`` (in this path's head precision; the head may be shared with other paths)."""
-        self.head.choose(ids, self.head_low)
+        """The draft head scores ``ids`` (in this path's head precision) whenever this path drafts."""
+        self.head_choice = self.head.choice(ids, self.head_low)
 
     @contextmanager
     def drafting(self) -> Iterator[None]:
+        """Draft through this path. The low-precision wrappers and the cut head belong to the model and
+        are shared by all its paths (a search or a comparison builds several): each path puts its own
+        weight format and head choice in place here, so the last path built never drafts for the others."""
         with self.skipper.skipping(self.plan):
             try:
                 for lin in self.linears:
+                    lin.configure(self.options.weights, self.options.group_size)
                     lin.active = True
                 if self.head is not None:
+                    if self.head_choice is None:  # no request prepared yet: the base ids alone
+                        self.choose_head(self.base_ids)
+                    self.head.use(self.head_choice)
                     self.head.active = True
                 yield
             finally:

@@ -38,6 +38,11 @@ from selfspec.engine.decoding import DecodeConfig, autoregressive, forward_at, s
 from selfspec.engine.stats import Clock
 from selfspec.search.simulate import RoundCounts
 
+# The way costs are measured; a saved cost model of another version is measured again. 2: each draft path
+# puts its own weight format and head in place while it drafts (version 1 timed every low-precision format
+# as the last path built on the model, and every head as the last one prepared).
+COST_MODEL_VERSION = 2
+
 
 def weight_format(options: DraftOptions) -> str:
     """The cost model's key of a draft's weight format."""
@@ -70,6 +75,7 @@ class CostModel:
     # step, per draft step of each weight format ("draft_step/<format>"), per verify pass, per adaptive
     # draft step; negative where the loop ran faster than the isolated forward
     overhead: dict[str, float] = field(default_factory=dict)
+    version: int = 1  # COST_MODEL_VERSION of the code that measured it (saved ones from before versions: 1)
 
     def _o(self, name: str) -> float:
         return self.overhead.get(name, 0.0)
@@ -127,7 +133,7 @@ class CostModel:
         return cls(d["t_full"], {int(k): v for k, v in d["t_verify"].items()}, d["num_layers"],
                    {k: SublayerCosts(**v) for k, v in d.get("draft", {}).items()},
                    {int(k): v for k, v in d.get("head", {}).items()}, dict(d.get("head_low", {})), d.get("machine", {}),
-                   d.get("overhead", {}))
+                   d.get("overhead", {}), d.get("version", 1))
 
 
 def measure_costs(model, context: list[int], formats: list[DraftOptions], head_tokens: list[int],
@@ -194,7 +200,7 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
     head_low = {head_format(o): med["head0"] - med[f"head{head_format(o)}"] for o in lows}
     verify = {m: med[f"verify{m}"] for m in range(2, max_verify + 1)}
     costs = CostModel(t_full=med["full"], t_verify=verify, num_layers=n, draft=draft, head=head, head_low=head_low,
-                      machine=machine or {})
+                      machine=machine or {}, version=COST_MODEL_VERSION)
     costs.overhead = loop_overheads(model, ctx[: max(len(ctx) // 2, 1)], costs, formats, stop_ids,
                                     reps=max(reps // 2, 2))
     return costs

@@ -31,7 +31,7 @@ from selfspec.engine.decoding import DecodeConfig, autoregressive
 from selfspec.errors import SelfSpecError
 from selfspec.locks import check_writable
 from selfspec.provenance import machine_fingerprint, provenance
-from selfspec.search.costs import CostModel, head_format, measure_costs, weight_format
+from selfspec.search.costs import COST_MODEL_VERSION, CostModel, head_format, measure_costs, weight_format
 from selfspec.search.retime import WallclockObjective, retime
 from selfspec.search.simulate import RoundSimulator
 from selfspec.search.space import DraftDims, SearchSpace
@@ -344,6 +344,8 @@ def _calibration(study: optuna.Study, storage, lm: LoadedModel, calib_ids: list[
             saved["costs"] = costs.to_dict()
             if old is not None and old.machine != costs.machine:
                 note["remeasured"] = old.machine
+            elif old is not None and old.version != costs.version:
+                note["outdated"] = old.version
         study.set_user_attr(CALIBRATION_ATTR, saved)
         return saved
 
@@ -354,6 +356,10 @@ def _calibration(study: optuna.Study, storage, lm: LoadedModel, calib_ids: list[
         f"cost model re-measured on this machine; trials were re-scored with it "
         f"(it was measured on {old.get('cpu', '?')} ({old.get('isa', 'ISA not recorded')}), {old.get('cores', '?')} cores, "
         f"torch {old.get('torch', '?')})")
+    if "outdated" in note:
+        cost_note = (f"cost model re-measured on this machine; trials were re-scored with it (the saved one was "
+                     f"measured the way of cost model version {note['outdated']}, this selfspec's is "
+                     f"{COST_MODEL_VERSION})")
     return saved["continuations"], costs, cost_note
 
 
@@ -394,7 +400,7 @@ def _costs_fit(saved: dict, space: SearchSpace) -> bool:
     fmts = {weight_format(f) for f in space.dims.formats()}
     heads = {h for h in space.dims.head_tokens if h}
     lows = {head_format(replace(f, head_tokens=h)) for f in space.dims.head_formats() for h in {0, *heads}}
-    return (old.machine == machine_fingerprint() and fmts <= set(old.draft)
+    return (old.machine == machine_fingerprint() and old.version == COST_MODEL_VERSION and fmts <= set(old.draft)
             and {f"draft_step/{f}" for f in fmts} <= set(old.overhead) and heads <= set(old.head)
             and lows <= set(old.head_low)
             and max(old.t_verify) >= space.dims.longest_verify)
