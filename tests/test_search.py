@@ -140,6 +140,10 @@ def test_the_cost_model_measures_quantized_heads_when_the_space_holds_them(tiny)
     older = {k: v for k, v in costs.to_dict().items() if k != "head_low"}
     assert not _costs_fit({"costs": older}, space)  # a cost model made before: measured again, not guessed
     assert _costs_fit({"costs": older}, SearchSpace(4, dims=replace(space.dims, head_weights=("model",))))
+    # the loop's overheads: one draft-step overhead for every format, the adaptive exit's softmax timed alone
+    assert costs.version == COST_MODEL_VERSION and {"plain_step", "draft_step", "verify"} <= set(costs.overhead)
+    assert 0 < costs.overhead["adaptive_step"] < costs.t_full
+    assert not _costs_fit({"costs": {**costs.to_dict(), "version": COST_MODEL_VERSION - 1}}, space)
 
 
 def test_a_copy_only_draft_in_the_space_is_one_draft_per_copy_setting():

@@ -11,7 +11,8 @@ round counts). Measured, all on the weights decoding uses (packed bf16):
   draft forward as ``base + kept attention x attn + kept MLP x mlp``;
 - per draft head size ``N``: what scoring N token ids instead of all saves (``head``);
 - per draft head size and quantized head format (``"<N>/<format>"``, N = 0 for the whole vocabulary):
-  what that head saves over the model-precision full head (``head_low``).
+  what that head saves over the model-precision full head (``head_low``); heads are timed alone;
+- what the decoding loop adds to each kind of step (``overhead``, :func:`loop_overheads`).
 
 A draft round with ``m`` tokens drafted costs ``m x t_step + t_verify[m+1]``, a
 copy round ``t_verify[m+1]``, a draft-tree round of ``nodes`` nodes ``m x t_step + t_verify[nodes+1]``
@@ -40,8 +41,11 @@ from selfspec.search.simulate import RoundCounts
 
 # The way costs are measured; a saved cost model of another version is measured again. 2: each draft path
 # puts its own weight format and head in place while it drafts (version 1 timed every low-precision format
-# as the last path built on the model, and every head as the last one prepared).
-COST_MODEL_VERSION = 2
+# as the last path built on the model, and every head as the last one prepared). 3: the loop's overhead per
+# draft step pooled over the weight formats, the adaptive exit's own work and the draft heads timed alone
+# (version 2 took them from differences of whole runs or forwards: -26 to +27 ms for a softmax that costs
+# under 1 ms, 3 to 13 ms saved by one int4 head).
+COST_MODEL_VERSION = 3
 
 
 def weight_format(options: DraftOptions) -> str:
@@ -71,9 +75,10 @@ class CostModel:
     head_low: dict[str, float] = field(default_factory=dict)  # head_format() -> seconds saved over the full head
     machine: dict = field(default_factory=dict)
     # what a step costs inside the decoding loop beyond the raw forward timed above (bookkeeping, argmax,
-    # the adaptive exit's softmax, the kernels' behaviour in the loop), from short real runs: per plain
-    # step, per draft step of each weight format ("draft_step/<format>"), per verify pass, per adaptive
-    # draft step; negative where the loop ran faster than the isolated forward
+    # the kernels' behaviour in the loop), from short real runs: per plain step, per draft step (pooled over
+    # the weight formats: "draft_step"; cost models of version 2 and older kept one per format,
+    # "draft_step/<format>"), per verify pass; negative where the loop ran faster than the isolated forward.
+    # "adaptive_step": the adaptive exit's confidence (a softmax over the vocabulary) per draft step, timed alone
     overhead: dict[str, float] = field(default_factory=dict)
     version: int = 1  # COST_MODEL_VERSION of the code that measured it (saved ones from before versions: 1)
 
@@ -107,7 +112,7 @@ class CostModel:
 
     def breakdown(self, counts: RoundCounts, spec: DraftSpec) -> dict[str, float]:
         """:meth:`time` by what the loop clocks apart: draft steps, verify passes, plain steps."""
-        step = self.step_time(spec) + self._o(f"draft_step/{weight_format(spec.options)}")
+        step = self.step_time(spec) + self.overhead.get("draft_step", self._o(f"draft_step/{weight_format(spec.options)}"))
         step = max(step + (self._o("adaptive_step") if spec.adaptive else 0.0), 1e-9)
         drafted = sum(m * n for m, n in counts.model_rounds.items()) + sum(m * n for (m, _), n in counts.tree_rounds.items())
         verify = sum(n * self._verify(m + 1) for m, n in (counts.model_rounds + counts.copy_rounds).items())
@@ -163,18 +168,25 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
         for tag, plan in (("all", full), ("no_attn", all_attn), ("no_mlp", all_mlp)):
             paths[f"{fmt}/{tag}"] = DraftPath(model, plan, DraftOptions(weights=opts.weights, group_size=opts.group_size),
                                               stop_ids=stop_ids)
+    # the draft heads differ from the full head in the head alone: timed alone (a head costs 2-20 ms, a
+    # difference of two whole forwards of ~100 ms each lost it in their noise)
+    heads: dict[str, DraftPath] = {}
     for size in head_tokens:
         if size:
-            paths[f"head{size}"] = DraftPath(model, full, DraftOptions(head_tokens=size), stop_ids=stop_ids)
-    paths["head0"] = DraftPath(model, full, DraftOptions(), stop_ids=stop_ids)
+            heads[f"head{size}"] = DraftPath(model, full, DraftOptions(head_tokens=size), stop_ids=stop_ids)
+    heads["head0"] = DraftPath(model, full, DraftOptions(), stop_ids=stop_ids)
     lows = [DraftOptions(head_tokens=size, head_weights=o.head_weights, group_size=o.group_size)
             for o in head_formats for size in sorted({0, *head_tokens})]
     for opts in lows:
-        paths[f"head{head_format(opts)}"] = DraftPath(model, full, opts, stop_ids=stop_ids)
+        heads[f"head{head_format(opts)}"] = DraftPath(model, full, opts, stop_ids=stop_ids)
     for name, path in paths.items():
-        path.prepare(tokens)
         configs[name] = (1, path.drafting)
+    for path in heads.values():
+        path.prepare(tokens)
     times: dict[str, list[float]] = {name: [] for name in configs}
+    head_times: dict[str, list[float]] = {name: [] for name in heads}
+    lm_head = model.get_output_embeddings()
+    hidden = torch.randn(1, 1, lm_head.weight.shape[1], dtype=lm_head.weight.dtype, device=device)
     with torch.inference_mode(), packed_weights(model):
         forward_at(model, cache, tokens, 0, keep=1)
         for rep in range(reps + 1):
@@ -185,6 +197,14 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
                     dt = clock.now() - t0
                 if rep:  # repetition 0 is the warm-up
                     times[name].append(dt)
+        for rep in range(3 * reps + 1):
+            for name, path in heads.items():
+                with path.drafting():
+                    t0 = clock.now()
+                    lm_head(hidden)
+                    dt = clock.now() - t0
+                if rep:
+                    head_times[name].append(dt)
     # each forward in units of the plain forward timed in the same pass, times the median plain forward: the
     # machine's speed drifts (by a quarter within minutes on a shared 2-core VM, results/PERF.md), and a drift
     # between passes then moves every cost alike instead of skewing the differences the sublayer costs come from
@@ -196,8 +216,9 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
         t_all, t_no_attn, t_no_mlp = (med[f"{fmt}/{tag}"] for tag in ("all", "no_attn", "no_mlp"))
         attn, mlp = max(t_all - t_no_attn, 0.0) / n, max(t_all - t_no_mlp, 0.0) / n
         draft[fmt] = SublayerCosts(base=max(t_all - n * (attn + mlp), 0.0), attn=attn, mlp=mlp)
-    head = {size: med["head0"] - med[f"head{size}"] for size in head_tokens if size}
-    head_low = {head_format(o): med["head0"] - med[f"head{head_format(o)}"] for o in lows}
+    head_med = {name: statistics.median(v) for name, v in head_times.items()}
+    head = {size: head_med["head0"] - head_med[f"head{size}"] for size in head_tokens if size}
+    head_low = {head_format(o): head_med["head0"] - head_med[f"head{head_format(o)}"] for o in lows}
     verify = {m: med[f"verify{m}"] for m in range(2, max_verify + 1)}
     costs = CostModel(t_full=med["full"], t_verify=verify, num_layers=n, draft=draft, head=head, head_low=head_low,
                       machine=machine or {}, version=COST_MODEL_VERSION)
@@ -213,8 +234,11 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
 
     A plain autoregressive step against ``t_full``; per weight format, a draft step of a draft
     with every sublayer kept (k=3, greedy, no fallback) against its modelled step, and its verify
-    passes against the modelled ones; the adaptive exit (threshold 0: it never stops, so only its
-    per-step softmax differs) against the fixed-k run of the model-weight draft.
+    passes against the modelled ones. The loop's work around a draft step does not depend on the
+    weights, and one short run's draft time is noisy (a tenth of a step), so the draft-step overhead
+    is the median over every (format, repetition): one ``draft_step``. The adaptive exit's own work
+    per draft step (a softmax over the vocabulary for the confidence) is timed alone
+    (:func:`confidence_cost`): as the difference of two real runs it was lost in their noise.
 
     The runs of each repetition are first scaled by ``t_full`` over that repetition's own plain
     step: these runs come minutes after the forwards were timed, and the machine's speed drifts
@@ -223,7 +247,6 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
     """
     n = costs.num_layers
     base = DecodeConfig(max_new_tokens=tokens, k=3, fallback=False)
-    adaptive = replace(base, adaptive=True, threshold=0.0, target_acceptance=0.0)
     specs = {weight_format(o): DraftSpec(SkipPlan(n), DraftOptions(weights=o.weights, group_size=o.group_size), k=3)
              for o in formats}
     specs.setdefault("model", DraftSpec(SkipPlan(n), k=3))
@@ -237,14 +260,28 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
         ar = autoregressive(model, prompt, base, stop_ids).stats
         runs = {fmt: self_speculative(model, prompt, spec.plan, base, stop_ids, draft=paths[fmt]).stats
                 for fmt, spec in specs.items()}
-        ad = self_speculative(model, prompt, specs["model"].plan, adaptive, stop_ids, draft=paths["model"]).stats
-        if not rep or not ar.plain_steps or not ad.drafted or not all(r.rounds for r in runs.values()):
+        if not rep or not ar.plain_steps or not all(r.rounds for r in runs.values()):
             continue  # repetition 0 is the warm-up
         scale = costs.t_full / (ar.step_time / ar.plain_steps)  # this repetition's seconds -> the forwards' pass
         add("plain_step", 0.0)
         for fmt, st in runs.items():
-            add(f"draft_step/{fmt}", scale * st.draft_time / st.drafted - costs.step_time(specs[fmt]))
+            add("draft_step", scale * st.draft_time / st.drafted - costs.step_time(specs[fmt]))
             add("verify", scale * st.verify_time / st.rounds - costs.verify_time(round(st.drafted / st.rounds) + 1))
-        add("adaptive_step", scale * (ad.draft_time / ad.drafted - runs["model"].draft_time / runs["model"].drafted))
-    return {name: statistics.median(values) for name, values in samples.items()}
+    out = {name: statistics.median(values) for name, values in samples.items()}
+    out["adaptive_step"] = confidence_cost(model)
+    return out
+
+
+def confidence_cost(model, reps: int = 31) -> float:
+    """Seconds the adaptive exit adds to a draft step: the confidence of the drafted token, computed as the
+    decoding loop computes it (:meth:`~selfspec.engine.decoding.Speculator.draft`), on a vocabulary-sized row
+    (median of ``reps``)."""
+    head = model.get_output_embeddings()
+    logits = torch.randn(head.weight.shape[0], dtype=head.weight.dtype, device=head.weight.device)
+    clock, times = Clock(logits.device), []
+    for _ in range(reps + 1):
+        t0 = clock.now()
+        float(logits.float().softmax(-1).max())
+        times.append(clock.now() - t0)
+    return statistics.median(times[1:])
 

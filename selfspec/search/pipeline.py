@@ -401,7 +401,7 @@ def _costs_fit(saved: dict, space: SearchSpace) -> bool:
     heads = {h for h in space.dims.head_tokens if h}
     lows = {head_format(replace(f, head_tokens=h)) for f in space.dims.head_formats() for h in {0, *heads}}
     return (old.machine == machine_fingerprint() and old.version == COST_MODEL_VERSION and fmts <= set(old.draft)
-            and {f"draft_step/{f}" for f in fmts} <= set(old.overhead) and heads <= set(old.head)
+            and "draft_step" in old.overhead and heads <= set(old.head)
             and lows <= set(old.head_low)
             and max(old.t_verify) >= space.dims.longest_verify)
 
