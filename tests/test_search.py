@@ -168,6 +168,22 @@ def test_a_copy_only_draft_in_the_space_is_one_draft_per_copy_setting():
     assert DraftDims(model_draft=(False,), ngram=(2, 8)).model_draft == (False,)
 
 
+def test_skipping_nothing_is_one_value_of_the_space_away():
+    space = SearchSpace(6)
+    bits = {f"{kind}_{i}": 1 for kind in ("attn", "mlp") for i in space.searchable}
+    assert space.spec_of({**bits, "skipping": True}).plan.n_skipped == 8
+    assert space.spec_of({**bits, "skipping": False}).plan.n_skipped == 0  # whatever the bits say
+    free = DraftSpec(SkipPlan(6), DraftOptions(weights="int4", group_size=128, ngram=3), k=4)
+    assert space.params_of(free)["skipping"] is False and space.spec_of(space.params_of(free)) == free
+    skips = DraftSpec(SkipPlan(6, mlp=(3,)), DraftOptions(weights="int8"), k=2)
+    assert space.params_of(skips)["skipping"] is True and space.spec_of(space.params_of(skips)) == skips
+    always = SearchSpace(6, dims=DraftDims(skipping=(True,)))
+    assert "skipping" not in always.params_of(free) and always.spec_of(always.params_of(free)) == free
+    assert "skipping" not in always.describe()["dims"]  # studies made before the dimension still resume
+    budget = SearchSpace(6, min_skipped=2)  # skipping nothing is outside this budget: not searched
+    assert "skipping" not in budget.params_of(skips) and budget.spec_of({**bits}).plan.n_skipped == 8
+
+
 def test_space_round_trip_and_fixed_dimensions():
     space = SearchSpace(6)
     spec = DraftSpec(SkipPlan(6, attn=(1, 4), mlp=(2,)), DraftOptions(weights="int4", group_size=128, head_tokens=16384,

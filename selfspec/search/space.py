@@ -2,7 +2,9 @@
 
 - which attention and which MLP sublayers to skip (``attn_i`` / ``mlp_i``, one boolean
   each for the searchable layers; first and last protected by default; a draft outside
-  ``min_skipped..max_skipped`` is pruned unscored by the study);
+  ``min_skipped..max_skipped`` is pruned unscored by the study), and whether to skip at all
+  (``skipping``: a draft that skips nothing is one value away, where 52 independent bits
+  drawn at random skip about half the sublayers and almost never none);
 - the draft options and length policy (:class:`DraftDims`): precision of the kept
   weights, int4 group size, draft head size, k, the adaptive exit and its threshold,
   copy drafting (n-gram size, longest copy, copy length per matched token, copy only or with model drafts),
@@ -43,11 +45,12 @@ class DraftDims:
     tree_nodes: tuple[int, ...] = (6, 12)  # draft trees: most nodes one verify covers
     copy_fallback: tuple[int, ...] = (0,)  # draft trees: m-gram copies beside a model draft (m < ngram; 0 = off)
     model_draft: tuple[bool, ...] = (True, False)  # False: copy drafting only, a plain step where nothing matched
+    skipping: tuple[bool, ...] = (True, False)  # False: no sublayer skipped (the draft saves by its options alone)
 
     def __post_init__(self) -> None:
         for name in ("weights", "group_size", "head_tokens", "head_weights", "k", "adaptive", "threshold", "ngram", "copy_tokens",
                      "min_ngram", "copy_per_match", "copy_candidates", "branch_below", "tree_nodes", "copy_fallback",
-                     "model_draft"):
+                     "model_draft", "skipping"):
             if not getattr(self, name):
                 raise SelfSpecError(f"search.space.{name} is empty: give at least one value")
         for name in ("weights", "head_weights"):
@@ -123,22 +126,25 @@ class SearchSpace:
         """What the study pins: a resumed study refuses another space."""
         return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
                 "protect_first_last": self.protect_first_last,
-                # copy_fallback, min_ngram, copy_per_match, head_weights and model_draft only when searched, so
-                # studies made before them still resume
+                # copy_fallback, min_ngram, copy_per_match, head_weights, model_draft and skipping only when
+                # searched, so studies made before them still resume
                 "dims": {k: list(v) for k, v in asdict(self.dims).items()
                          if (k, v) not in (("copy_fallback", (0,)), ("min_ngram", (0,)), ("copy_per_match", (0,)),
-                                           ("head_weights", ("model",)), ("model_draft", (True,)))}}
+                                           ("head_weights", ("model",)), ("model_draft", (True,)),
+                                           ("skipping", (True,)))}}
 
     # -- params <-> drafts -------------------------------------------------------------
     def _option_dims(self) -> dict[str, tuple]:
         d = self.dims
+        # a draft that skips nothing is outside a budget of min_skipped > 0: not a value to search then
+        skipping = tuple(v for v in d.skipping if v or not self.min_skipped) or (True,)
         return {"weights": d.weights, "group_size": d.group_size, "head_tokens": d.head_tokens,
                 "head_weights": d.head_weights, "k": d.k,
                 "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens,
                 "min_ngram": d.min_ngram, "copy_per_match": d.copy_per_match, "copy_candidates": d.copy_candidates,
                 "branch_below": d.branch_below,
                 "tree_nodes": d.tree_nodes,
-                "copy_fallback": d.copy_fallback, "model_draft": d.model_draft}
+                "copy_fallback": d.copy_fallback, "model_draft": d.model_draft, "skipping": skipping}
 
     def params_of(self, spec: DraftSpec) -> dict:
         params = {**{f"attn_{i}": int(i in spec.plan.attn) for i in self.searchable},
@@ -150,14 +156,17 @@ class SearchSpace:
                   "min_ngram": o.min_ngram, "copy_per_match": o.copy_per_match, "copy_candidates": o.copy_candidates,
                   "branch_below": o.branch_below,
                   "tree_nodes": o.tree_nodes,
-                  "copy_fallback": o.copy_fallback, "model_draft": o.model_draft}
+                  "copy_fallback": o.copy_fallback, "model_draft": o.model_draft,
+                  "skipping": spec.plan.n_skipped > 0}
         unused = {"group_size": "int4" not in (o.weights, o.head_weights), "threshold": not spec.adaptive,
                   "copy_tokens": not o.ngram, "min_ngram": o.ngram < 2, "copy_per_match": not o.ngram,
                   "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2,
                   "model_draft": not o.ngram}
+        if not spec.plan.n_skipped and False not in self._option_dims()["skipping"]:
+            unused["skipping"] = True  # the bits, all off, say it: a space that always skips still holds the draft
         if not o.model_draft:  # a copy-only draft has no model draft to shape
             unused.update(dict.fromkeys(("weights", "group_size", "head_tokens", "head_weights", "adaptive",
-                                         "threshold", "branch_below", "copy_fallback"), True))
+                                         "threshold", "branch_below", "copy_fallback", "skipping"), True))
             unused["k"] = bool(o.copy_tokens)
         for name, choices in self._option_dims().items():
             if unused.get(name):  # a value the draft does not use: any of the space's will do
@@ -170,9 +179,9 @@ class SearchSpace:
         return params
 
     def spec_of(self, params: dict, model: str | None = None) -> DraftSpec:
-        attn = tuple(i for i in self.searchable if params.get(f"attn_{i}"))
-        mlp = tuple(i for i in self.searchable if params.get(f"mlp_{i}"))
         v = {name: params.get(name, choices[0]) for name, choices in self._option_dims().items()}
+        attn = tuple(i for i in self.searchable if params.get(f"attn_{i}") and v["skipping"])
+        mlp = tuple(i for i in self.searchable if params.get(f"mlp_{i}") and v["skipping"])
         min_ngram = v["min_ngram"] if v["min_ngram"] < v["ngram"] else 0
         shortest = min_ngram or v["ngram"]
         if v["ngram"] and not v["model_draft"]:
