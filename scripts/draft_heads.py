@@ -33,6 +33,7 @@ from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import DecodeConfig, autoregressive, forward_at
 from selfspec.engine.stats import Clock
 from selfspec.provenance import git_commit, machine_fingerprint
+from selfspec.search.costs import time_heads
 
 
 def main() -> None:
@@ -83,17 +84,8 @@ def main() -> None:
                     times[name].append(dt)
     head = lm.model.get_output_embeddings()
     x = torch.randn(1, 1, head.weight.shape[1], dtype=head.weight.dtype)
-    alone: dict[str, list[float]] = {name: [] for name in paths}
     with torch.inference_mode(), packed_weights(lm.model):
-        for rep in range(args.reps + 1):
-            for name, path in paths.items():
-                path.prepare(torch.tensor(prompt))
-                with path.drafting():
-                    t0 = clock.now()
-                    head(x)
-                    dt = clock.now() - t0
-                if rep:
-                    alone[name].append(dt)
+        alone = time_heads(paths, x, args.reps, clock)  # each path keeps the head choice prepared above
         widest = max(args.heads)
         rows = head.weight.detach()[: widest or head.weight.shape[0]].contiguous()
         t0 = clock.now()

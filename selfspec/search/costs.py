@@ -184,7 +184,6 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
     for path in heads.values():
         path.prepare(tokens)
     times: dict[str, list[float]] = {name: [] for name in configs}
-    head_times: dict[str, list[float]] = {name: [] for name in heads}
     lm_head = model.get_output_embeddings()
     hidden = torch.randn(1, 1, lm_head.weight.shape[1], dtype=lm_head.weight.dtype, device=device)
     with torch.inference_mode(), packed_weights(model):
@@ -197,14 +196,7 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
                     dt = clock.now() - t0
                 if rep:  # repetition 0 is the warm-up
                     times[name].append(dt)
-        for rep in range(3 * reps + 1):
-            for name, path in heads.items():
-                with path.drafting():
-                    t0 = clock.now()
-                    lm_head(hidden)
-                    dt = clock.now() - t0
-                if rep:
-                    head_times[name].append(dt)
+        head_times = time_heads(heads, hidden, 3 * reps, clock)
     # each forward in units of the plain forward timed in the same pass, times the median plain forward: the
     # machine's speed drifts (by a quarter within minutes on a shared 2-core VM, results/PERF.md), and a drift
     # between passes then moves every cost alike instead of skewing the differences the sublayer costs come from
@@ -225,6 +217,22 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
     costs.overhead = loop_overheads(model, ctx[: max(len(ctx) // 2, 1)], costs, formats, stop_ids,
                                     reps=max(reps // 2, 2))
     return costs
+
+
+def time_heads(paths: dict[str, DraftPath], hidden: torch.Tensor, reps: int, clock: Clock) -> dict[str, list[float]]:
+    """Seconds of the model's LM head alone on ``hidden`` while each path drafts (each with its own head),
+    round-robin, ``reps`` repetitions after a warm-up one. The paths must be prepared."""
+    head = next(iter(paths.values())).model.get_output_embeddings()
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for rep in range(reps + 1):
+        for name, path in paths.items():
+            with path.drafting():
+                t0 = clock.now()
+                head(hidden)
+                dt = clock.now() - t0
+            if rep:  # repetition 0 is the warm-up
+                times[name].append(dt)
+    return times
 
 
 def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[DraftOptions], stop_ids=(),
