@@ -361,6 +361,8 @@ def test_cli_end_to_end_with_offline_wandb(tmp_path):
     time_line = next(line for line in out.splitlines() if line.startswith("time  "))
     for stage in ("calibration and cost model", "trials", "re-timing", "held-out check"):
         assert stage in time_line, time_line
+    chunks = next(line for line in out.splitlines() if line.startswith("chunks  "))
+    assert " teacher-forced draft chunks run" in chunks and " answered from memory" in chunks, chunks
     # the re-timed candidates include the best draft with no sublayer skipped (its options alone; a copy-only
     # draft skips none)
     retimed = out[out.index("re-timed candidates:"):].splitlines()[1:]

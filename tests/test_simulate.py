@@ -96,3 +96,30 @@ def test_counts_round_trip():
     old = c.to_dict()
     del old["tree_rounds"]  # trials stored before draft trees existed
     assert RoundCounts.from_dict(old).tree_rounds == {}
+
+
+def test_drafts_sharing_a_forward_reuse_its_outputs(make_model):
+    """A draft's outputs at a round start depend only on its forward (skips, weights, head): one simulator
+    serving several drafts of one forward counts each exactly as a fresh simulator does, and runs each
+    chunk once."""
+    model = make_model("llama", torch.float64)
+    plan = SkipPlan(N_LAYERS, attn=(1,), mlp=(2,))
+    drafts = [DraftSpec(plan, k=3), DraftSpec(plan, k=5, adaptive=True, threshold=0.3),
+              DraftSpec(plan, DraftOptions(branch_below=0.6, tree_nodes=5), k=4),
+              DraftSpec(plan, DraftOptions(ngram=3, copy_fallback=1, copy_tokens=3, copy_candidates=2), k=2),
+              DraftSpec(SkipPlan(N_LAYERS, attn=(1,)), k=3)]  # another forward: no outputs of the others
+    conts = [autoregressive(model, p, DecodeConfig(max_new_tokens=24)).tokens for p in PROMPTS]
+    shared = RoundSimulator(model, PROMPTS, conts)
+    for spec in drafts:
+        assert shared.simulate(spec) == RoundSimulator(model, PROMPTS, conts).simulate(spec)
+    ran = shared.forwards
+    assert 0 < ran
+    for spec in drafts:  # everything asked again is known
+        shared.simulate(spec)
+    assert shared.forwards == ran
+    fresh = RoundSimulator(model, PROMPTS, conts)
+    for spec in drafts:
+        fresh.simulate(spec)
+        fresh.memo.clear()
+    assert fresh.forwards > ran  # the drafts of one forward asked for chunks the others had run
+    assert len(shared.memo) == 2

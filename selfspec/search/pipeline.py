@@ -131,6 +131,7 @@ class SearchReport:
     candidates: list = field(default_factory=list)
     ablation: list = field(default_factory=list)
     stages: dict = field(default_factory=dict)  # seconds of each stage of the search, in order
+    draft_chunks: dict = field(default_factory=dict)  # this process: draft chunks run / answered from memory
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -463,7 +464,8 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
         stages["ablation"] = time.perf_counter() - t
     report = SearchReport(draft=best, predicted_speedup=best_predicted, calibration=calibration, heldout=heldout,
                           trials=finished(study), search_seconds=time.perf_counter() - t_start, plan_path="",
-                          cost_model_note=cost_note, candidates=candidates, ablation=ablation, stages=stages)
+                          cost_model_note=cost_note, candidates=candidates, ablation=ablation, stages=stages,
+                          draft_chunks={"run": sim.forwards, "reused": sim.reused})
     prov = provenance({"model": lm.name, "dataset": prompt_set.name, "dtype": lm.info.get("dtype"),
                        "study": s.study_name, "storage": str(s.storage), "objective": s.objective,
                        "cost_model": costs.to_dict(), "cost_model_note": cost_note, **(extra_provenance or {})})
@@ -502,6 +504,9 @@ def format_report(r: SearchReport) -> str:
     lines = ["", f"best draft  {r.draft.describe()}", row("calibration", r.calibration), row("held-out", r.heldout),
              f"trials      {r.trials}; {r.cost_model_note}",
              f"time        {r.search_seconds:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in r.stages.items()),
+             *([f"chunks      {r.draft_chunks['run']} teacher-forced draft chunks run on the calibration prompts by "
+                f"this process, {r.draft_chunks['reused']} answered from memory (earlier trials, same draft forward)"]
+               if r.draft_chunks else []),
              "re-timed candidates:"]
     for c in r.candidates:
         timed = c.get("predicted_timed_speedup")  # reports written before it have only the trials' prediction

@@ -25,6 +25,12 @@ loop runs it:
   ``copy_fallback`` adds the continuations of shorter matches beside the model draft (the
   trie is built as the engine builds it and accepted along ``c``).
   A tree round costs the verify of its nodes (:class:`RoundCounts` ``tree_rounds``).
+- the draft's outputs are remembered: what the draft predicts at chunk position ``j`` of a round
+  starting at ``i`` depends only on the draft's forward (skips, weights, head: :func:`forward_key`),
+  the prompt and ``c[i:i+j+1]``, never on ``k``, the copy options or the length policy. So a
+  round that an earlier simulation of the same draft forward already ran is not run again: a search
+  whose trials share a draft forward and differ in their other options runs few forwards after
+  the first of them (:attr:`RoundSimulator.forwards` counts those it ran, ``reused`` those it did not).
 
 The counts of rounds by drafted length (:class:`RoundCounts`) times the cost
 model's seconds give the predicted time (:mod:`selfspec.search.costs`).
@@ -100,6 +106,36 @@ class RoundCounts:
         trees = Counter({tuple(int(x) for x in k.split(",")): v for k, v in d.get("tree_rounds", {}).items()})
         return cls(d["tokens"], d["plain_steps"], Counter({int(k): v for k, v in d["model_rounds"].items()}),
                    Counter({int(k): v for k, v in d["copy_rounds"].items()}), d["drafted"], d["accepted"], trees)
+
+
+def forward_key(spec: DraftSpec) -> tuple:
+    """What the draft's forward depends on: its skips, the precision of its kept weights and its head.
+
+    Two drafts with the same key predict the same tokens with the same probabilities on the same
+    chunk; they may differ in ``k``, the adaptive exit, copy drafting and the tree options."""
+    o = spec.options
+    groups = o.group_size if "int4" in (o.weights, o.head_weights) else 0
+    return spec.plan.attn, spec.plan.mlp, o.weights, groups, o.head_tokens, o.head_weights
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """What a round needs of the draft's teacher-forced logits over ``c[i:i+n]``, per chunk position:
+    the predicted token, its probability, and the 2nd-best token."""
+
+    pred: tuple[int, ...]
+    conf: tuple[float, ...]
+    second: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.pred)
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> Drafted:
+        """From the logits ``[n, V]`` of one round's chunk."""
+        top = logits.float().topk(2, dim=-1)
+        conf = (top.values[:, 0] - logits.float().logsumexp(-1)).exp()
+        return cls(tuple(top.indices[:, 0].tolist()), tuple(conf.tolist()), tuple(top.indices[:, 1].tolist()))
 
 
 class _Chunk:
@@ -195,6 +231,10 @@ class RoundSimulator:
                     keys[b, :, : len(seq)] = lay.keys[0, :, : len(seq)]
                     values[b, :, : len(seq)] = lay.values[0, :, : len(seq)]
         self.cache = _ChunkCache(layers, self.scratch) if layers else None
+        # forward_key -> (prompt, i) -> the draft's outputs over the longest chunk run from c[i]
+        self.memo: dict[tuple, dict[tuple[int, int], Drafted]] = {}
+        self.forwards = 0  # chunks (rows of batched draft forwards) run so far
+        self.reused = 0  # chunks answered from the memo
 
     def _tensor(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long, device=self.device)
@@ -206,25 +246,37 @@ class RoundSimulator:
         """Round counts of ``spec`` over the prompts (all of them, or the indices in ``prompts``)."""
         path = path or self.draft_path(spec)
         rows = list(prompts) if prompts is not None else list(range(len(self.prompts)))
+        memo = self.memo.setdefault(forward_key(spec), {})
         total = RoundCounts()
+        heads = None
         with torch.inference_mode(), packed_weights(self.model):
-            heads = self._heads(path, rows)
             replays = {b: self._replay(spec, b) for b in rows}
-            pending = {}
-            for b, replay in replays.items():
+            pending: dict[int, tuple[int, int]] = {}
+
+            def advance(b: int, sent: Drafted | None) -> None:
+                """Run prompt ``b``'s replay to its next round that the memo cannot answer."""
                 try:
-                    pending[b] = next(replay)
+                    request = next(replays[b]) if sent is None else replays[b].send(sent)
+                    while len(known := memo.get((b, request[0]), ())) >= request[1]:
+                        self.reused += 1
+                        request = replays[b].send(known)
+                    pending[b] = request
                 except StopIteration as done:
                     total.add(done.value)
+
+            for b in rows:
+                advance(b, None)
             while pending:
+                if heads is None:
+                    heads = self._heads(path, rows)
                 order = sorted(pending)
                 logits = self._draft_forward(path, [(b, *pending[b]) for b in order], heads)
-                pending = {}
+                self.forwards += len(order)
+                requests, pending = pending, {}
                 for j, b in enumerate(order):
-                    try:
-                        pending[b] = replays[b].send(logits[j])
-                    except StopIteration as done:
-                        total.add(done.value)
+                    i, k = requests[b]
+                    memo[(b, i)] = drafted = Drafted.of(logits[j, :k])
+                    advance(b, drafted)
         return total
 
     def batches(self, spec: DraftSpec, path: DraftPath, size: int) -> Iterator[tuple[int, RoundCounts]]:
@@ -283,9 +335,9 @@ class RoundSimulator:
             logits = logits.masked_fill(outside[:, None, :], float("-inf"))
         return logits
 
-    def _replay(self, spec: DraftSpec, index: int) -> Generator[tuple[int, int], torch.Tensor, RoundCounts]:
+    def _replay(self, spec: DraftSpec, index: int) -> Generator[tuple[int, int], Drafted, RoundCounts]:
         """The rounds of one prompt, as the loop runs them; yields ``(i, k)`` for each model-drafted
-        round and is sent the draft's logits over ``c[i:i+k]`` (at least ``k`` rows)."""
+        round and is sent the draft's outputs over ``c[i:i+k]`` (:class:`Drafted`, at least ``k`` positions)."""
         prompt, c = self.prompts[index], self.continuations[index]
         P, L = len(prompt), len(c)
         out = RoundCounts()
@@ -326,9 +378,9 @@ class RoundSimulator:
                 if fallback is not None:
                     fallback.extend(c[len(fallback.tokens) - P : i + 1])
                     copies = fallback.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates)
-                logits = yield i, k
+                drafted_out = yield i, k
                 modelled, accepted, nodes, depth = _model_round(
-                    logits[:k], c, i, k, threshold, opts.branch_below if tree else 0.0, opts.tree_nodes, copies)
+                    drafted_out, c, i, k, threshold, opts.branch_below if tree else 0.0, opts.tree_nodes, copies)
                 if nodes > modelled:
                     out.tree_rounds[(modelled, nodes)] += 1
                 else:
@@ -342,22 +394,18 @@ class RoundSimulator:
         return out
 
 
-def _model_round(logits: torch.Tensor, c: list[int], i: int, k: int, threshold: AdaptiveThreshold,
+def _model_round(out: Drafted, c: list[int], i: int, k: int, threshold: AdaptiveThreshold,
                  branch: float = 0.0, budget: int = 0, copies: list[list[int]] = ()) -> tuple[int, int, int, int]:
     """Drafted, accepted, tree nodes and depth of a model-drafted round from the draft's teacher-forced
-    ``logits`` over ``c[i:i+k]`` (nodes > drafted where it branched: the 2nd-best token beside each draft
+    outputs ``out`` over ``c[i:i+k]`` (nodes > drafted where it branched: the 2nd-best token beside each draft
     position whose top probability is under ``branch``, then the ``copies`` of shorter matches, under the
     node budget as the engine adds them).
 
     The draft's tokens are teacher-forced: exact up to its first miss, which is all acceptance needs.
     Past the miss the real draft's branches and tokens may differ, so where the node budget binds the
     node count of a tree with copies may differ from the real one's by a few."""
-    pred = logits.argmax(-1).tolist()
+    pred, conf, second = out.pred[:k], out.conf[:k], out.second[:k]
     drafted = k
-    conf = None
-    if threshold.on or branch:
-        top = logits.float().softmax(-1).topk(2)
-        conf, second = top.values[:, 0].tolist(), top.indices[:, 1].tolist()
     if threshold.on:
         drafted = next((j + 1 for j in range(k) if threshold.stops_after(conf[j])), k)
     accepted = _leading_agreements(pred[:drafted], c[i + 1 : i + 1 + drafted])
