@@ -196,7 +196,7 @@ def test_space_round_trip_and_fixed_dimensions():
     assert fixed.spec_of(params).options.weights == "model" and fixed.spec_of(params).k == 2
     with pytest.raises(SelfSpecError, match="outside the space"):
         fixed.params_of(DraftSpec(SkipPlan(6), k=5))
-    older = SearchSpace(6, dims=DraftDims(min_ngram=(0,), model_draft=(True,), copy_per_match=(0,)))
+    older = SearchSpace(6, dims=DraftDims(min_ngram=(0,), model_draft=(True,), copy_per_match=(0,), head_weights=("model",)))
     # dimensions added later, held at their one old value, leave the description: older studies resume
     assert {"copy_fallback", "head_weights", "min_ngram", "model_draft", "copy_per_match"}.isdisjoint(
         older.describe()["dims"])

@@ -32,7 +32,7 @@ class DraftDims:
     weights: tuple[str, ...] = ("model", "int8", "int4")
     group_size: tuple[int, ...] = (32, 128)  # int4 groups; 32 lines up with the GGUF blocks of the packaged models
     head_tokens: tuple[int, ...] = (0, 16384, 32768)
-    head_weights: tuple[str, ...] = ("model",)  # the draft head's rows: model | int8 | int4 (int4: group_size)
+    head_weights: tuple[str, ...] = ("model", "int4")  # the draft head's rows: model | int8 | int4 (int4: group_size)
     k: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
     adaptive: tuple[bool, ...] = (False, True)
     threshold: tuple[float, ...] = (0.2, 0.4, 0.6)
