@@ -35,7 +35,8 @@ loop runs it:
 The counts of rounds by drafted length (:class:`RoundCounts`) times the cost
 model's seconds give the predicted time (:mod:`selfspec.search.costs`).
 Exact for greedy decoding up to floating-point differences between a
-teacher-forced chunk and one-token steps; for the adaptive exit, a draft that
+teacher-forced chunk and one-token steps (a remembered chunk may also have been
+computed in another batch, which can round otherwise in bf16); for the adaptive exit, a draft that
 already disagreed may stop at another token than the real one would (its
 acceptance is exact, its drafted length an estimate).
 """
