@@ -234,3 +234,10 @@ def test_paths_built_on_one_model_each_draft_with_their_own_weights_and_head():
     assert torch.isinf(alone[kinds[1]]).sum() > 0 and not torch.isinf(alone[kinds[0]]).any()
     sizes = {opts: paths[opts].extra_bytes for opts in kinds}
     assert sizes[kinds[0]] > sizes[kinds[2]]  # int8 copies outweigh int4 ones, whichever format is in use
+
+
+@pytest.mark.parametrize("options", [DraftOptions(weights="int8"), DraftOptions(head_weights="int4")])
+def test_low_precision_drafts_of_a_float64_model_are_a_clear_error(make_model, options):
+    model = make_model("llama", torch.float64)  # torch's int8/int4 CPU kernels take 16- or 32-bit floats only
+    with pytest.raises(SelfSpecError, match="not float64"):
+        DraftPath(model, PLAN, options)

@@ -149,6 +149,11 @@ class DraftPath:
         self.skipper = layer_skipper(model)
         plan.check_model(self.skipper.num_layers)
         self.linears: list[LowPrecisionLinear] = []
+        low = {options.weights, options.head_weights} - {"model"}
+        if low and next(model.parameters()).dtype == torch.float64:
+            raise SelfSpecError(f"{'/'.join(sorted(low))} draft weights run torch's CPU kernels, which take bf16, fp16 or "
+                                "fp32 models, not float64: use weights=model and head_weights=model (in a search: "
+                                "search.space.weights=[model] search.space.head_weights=[model])")
         if options.weights != "model":
             if next(model.parameters()).device.type != "cpu":
                 raise SelfSpecError("int8/int4 draft weights use CPU kernels; use weights=model on other devices")
