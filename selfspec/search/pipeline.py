@@ -94,7 +94,7 @@ class SearchSettings:
     n_trials: int = 100
     sampler: str = "tpe"
     objective: str = "predicted"
-    calibration_tokens: int = 64
+    calibration_tokens: int = 24
     min_skipped: int = 0
     max_skipped: int | None = None
     protect_first_last: bool = True
