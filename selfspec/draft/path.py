@@ -139,6 +139,19 @@ class DraftOptions:
         return rec
 
 
+def _check_low_precision(model: nn.Module, options: DraftOptions) -> None:
+    """int8/int4 draft weights and heads run torch's CPU kernels, which take 16- or 32-bit floats."""
+    param = next(model.parameters())
+    for name, fmt, what in (("weights", options.weights, "weights"), ("head_weights", options.head_weights, "heads")):
+        if fmt != "model" and param.device.type != "cpu":
+            raise SelfSpecError(f"int8/int4 draft {what} use CPU kernels; use {name}=model on other devices")
+    low = {options.weights, options.head_weights} - {"model"}
+    if low and param.dtype == torch.float64:
+        raise SelfSpecError(f"{'/'.join(sorted(low))} draft weights run torch's CPU kernels, which take bf16, fp16 or "
+                            "fp32 models, not float64: use weights=model and head_weights=model (in a search: "
+                            "search.space.weights=[model] search.space.head_weights=[model])")
+
+
 class DraftPath:
     """The draft-only state of one model for one plan: skips, quantized copies, cut head."""
 
@@ -149,14 +162,8 @@ class DraftPath:
         self.skipper = layer_skipper(model)
         plan.check_model(self.skipper.num_layers)
         self.linears: list[LowPrecisionLinear] = []
-        low = {options.weights, options.head_weights} - {"model"}
-        if low and next(model.parameters()).dtype == torch.float64:
-            raise SelfSpecError(f"{'/'.join(sorted(low))} draft weights run torch's CPU kernels, which take bf16, fp16 or "
-                                "fp32 models, not float64: use weights=model and head_weights=model (in a search: "
-                                "search.space.weights=[model] search.space.head_weights=[model])")
+        _check_low_precision(model, options)
         if options.weights != "model":
-            if next(model.parameters()).device.type != "cpu":
-                raise SelfSpecError("int8/int4 draft weights use CPU kernels; use weights=model on other devices")
             skipped = [(self.skipper.attn, set(plan.attn)), (self.skipper.mlp, set(plan.mlp))]
             for subs, off in skipped:
                 for i, sub in enumerate(subs):
@@ -167,8 +174,6 @@ class DraftPath:
         self.head_low: tuple | None = None  # the quantized copy of the head's base rows (head_weights)
         self.head_choice: tuple | None = None  # what this path's head scores (CutHead.choice), set per request
         if options.head_tokens or options.head_weights != "model":
-            if options.head_weights != "model" and next(model.parameters()).device.type != "cpu":
-                raise SelfSpecError("int8/int4 draft heads use CPU kernels; use head_weights=model on other devices")
             head = model.get_output_embeddings()
             if not isinstance(head, CutHead):
                 head = CutHead(head)

@@ -134,8 +134,9 @@ class Drafted:
     @classmethod
     def of(cls, logits: torch.Tensor) -> Drafted:
         """From the logits ``[n, V]`` of one round's chunk."""
-        top = logits.float().topk(2, dim=-1)
-        conf = (top.values[:, 0] - logits.float().logsumexp(-1)).exp()
+        logits = logits.float()
+        top = logits.topk(2, dim=-1)
+        conf = (top.values[:, 0] - logits.logsumexp(-1)).exp()
         return cls(tuple(top.indices[:, 0].tolist()), tuple(conf.tolist()), tuple(top.indices[:, 1].tolist()))
 
 
