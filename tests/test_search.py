@@ -302,6 +302,30 @@ def test_enqueued_drafts_run_first(tmp_path, simulator):
         enqueue_warm_starts(open_study(tmp_path / "s2.db", "w2", "tiny", "tpe", 0), space, [DraftSpec(SkipPlan(6))])
 
 
+def test_anchors_are_generic_drafts_the_space_holds(tmp_path, simulator):
+    """A new study runs the anchors first: the cheapest skip-free model draft with copies and a copy-only
+    draft, each within the space; a space that cannot hold one (a skip budget, no copying, a pure
+    layer-skip search) drops it rather than run a draft outside the space or one that saves nothing."""
+    space = SearchSpace(6)
+    free, copy = space.anchors()
+    assert free.plan.n_skipped == 0 and free.options.weights == "int4" and free.options.model_draft
+    assert free.options.ngram and free.options.head_weights == "int4"
+    assert not copy.options.model_draft and copy.options.ngram
+    for a in (free, copy):
+        assert space.spec_of(space.params_of(a)) == a
+    low = SearchSpace(6, dims=DraftDims(weights=("model", "int8"), head_weights=("model",)))
+    assert low.anchors()[0].options.weights == "int8"  # the cheapest precision the space holds
+    assert SearchSpace(6, min_skipped=2).anchors() == []  # skipping nothing (copy-only too) is outside the budget
+    assert SearchSpace(6, dims=DraftDims(model_draft=(True,))).anchors() == [free]
+    papers = SearchSpace(6, dims=DraftDims(weights=("model",), head_weights=("model",), ngram=(0,)))
+    assert papers.anchors() == []  # a full-depth, full-precision draft that copies nothing saves nothing
+    tiny = SearchSpace(4, dims=DraftDims(group_size=(32,)))
+    study = open_study(tmp_path / "s.db", "a", "tiny", "tpe", 0)
+    assert enqueue_warm_starts(study, tiny, tiny.anchors()) == 2
+    run_search(study, tiny, PredictedObjective(simulator, COSTS), n_trials=3)
+    assert [tiny.spec_of(t.params) for t in study.get_trials()[:2]] == tiny.anchors()
+
+
 def test_interrupted_search_resumes_with_no_trial_lost(tmp_path, simulator):
     space = SearchSpace(4, dims=DraftDims(group_size=(32,)))
     obj = PredictedObjective(simulator, COSTS)
@@ -378,6 +402,9 @@ def test_cli_end_to_end_with_offline_wandb(tmp_path):
     assert spec.measured["calibration"]["measured"]["speedup"] > 0
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
+    study = optuna.load_study(study_name="tiny-llama-default", storage=f"sqlite:///{tmp_path}/optuna/study.db")
+    quick = SearchSpace(4, dims=DraftDims(k=(1, 2, 3), head_tokens=(0,), group_size=(32,)))
+    assert [quick.spec_of(t.params) for t in study.trials[:2]] == quick.anchors()  # search.anchors: on by default
 
 
 def test_predictions_beside_measurements_replay_the_timed_runs_exactly_in_fp64(tmp_path):

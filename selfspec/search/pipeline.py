@@ -100,6 +100,7 @@ class SearchSettings:
     protect_first_last: bool = True
     space: DraftDims = field(default_factory=DraftDims)
     warm_start: tuple[str, ...] = ()
+    anchors: bool = True
     storage: str = "outputs/optuna/search.db"
     study_name: str = "search"
     cost_reps: int = 7
@@ -275,7 +276,7 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     pin_study_attr(study, "objective", s.objective,
                    f"study {s.study_name!r} was scored by objective {{recorded!r}}, not {s.objective!r}: "
                    "choose another search.study_name")
-    enqueue_warm_starts(study, space, [DraftSpec.load(p) for p in s.warm_start])
+    enqueue_warm_starts(study, space, [DraftSpec.load(p) for p in s.warm_start] + (space.anchors() if s.anchors else []))
     stages, t = {}, time.perf_counter()
     conts, costs, cost_note = _calibration(study, storage, lm, calib_ids, space, s)
     stages["calibration and cost model"], t = time.perf_counter() - t, time.perf_counter()

@@ -27,6 +27,21 @@ from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
 
 
+# Generic drafts a study runs first (``search.anchors``), as value preferences per dimension: the first
+# preferred value the space holds, else the space's first. They are not tuned to a model: the first is
+# the cheapest skip-free model draft with copies, the kind every search on these CPUs ended near when it
+# found it, and which 100 TPE trials did not always reach (results/PERF.md); the second copies only, as
+# prompt lookup does. TPE then searches around whichever scores best.
+ANCHORS: tuple[dict[str, tuple], ...] = (
+    {"skipping": (False,), "weights": ("int4", "int8"), "group_size": (128,), "head_tokens": (0,),
+     "head_weights": ("int4", "int8"), "k": (3, 2), "adaptive": (False,), "ngram": (8, 4, 3),
+     "copy_tokens": (10, 5), "min_ngram": (2, 1), "copy_per_match": (2,), "copy_candidates": (1,),
+     "branch_below": (0.0,), "model_draft": (True,)},
+    {"model_draft": (False,), "ngram": (8, 4, 3), "copy_tokens": (10, 5), "min_ngram": (1, 2),
+     "copy_per_match": (2,), "copy_candidates": (1,)},
+)
+
+
 @dataclass(frozen=True)
 class DraftDims:
     weights: tuple[str, ...] = ("model", "int8", "int4")
@@ -204,6 +219,19 @@ class SearchSpace:
             options = replace(options, tree_nodes=v["tree_nodes"])
         return DraftSpec(SkipPlan(self.num_layers, attn=attn, mlp=mlp, model=model), options, k=v["k"],
                          adaptive=v["adaptive"], threshold=v["threshold"] if v["adaptive"] else 0.5)
+
+    def anchors(self) -> list[DraftSpec]:
+        """The :data:`ANCHORS` this space holds (each once), as drafts to enqueue first."""
+        out = []
+        for prefs in ANCHORS:
+            v = {name: next((p for p in prefs.get(name, ()) if p in choices), choices[0])
+                 for name, choices in self._option_dims().items()}
+            spec = self.spec_of(v)  # no attn_i / mlp_i bit set: nothing skipped
+            o = spec.options
+            saves = not o.model_draft or o.weights != "model"  # a full-depth full-precision draft saves nothing
+            if saves and self.within(spec.plan) and spec.key not in {a.key for a in out}:
+                out.append(spec)
+        return out
 
     def suggest(self, trial: optuna.Trial, model: str | None) -> DraftSpec:
         params = {}
