@@ -29,6 +29,7 @@ from selfspec.draft.copy import NGramIndex
 from selfspec.draft.packed import default_rows, packed_weights
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.plan import SkipPlan
+from selfspec.engine.attention import ATTENTION, decode_attention
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.masks import causal_mask
 from selfspec.engine.sampling import (
@@ -73,6 +74,11 @@ class DecodeConfig:
     cover the longest verify (k+1, copy_tokens+1); the AR baseline must run with the same
     ``rows`` and ``exact``. Chains only: draft trees are refused.
 
+    ``attention``: ``decode`` (default) attends through :mod:`selfspec.engine.attention` in every
+    forward of a few rows (two batched products over the cache; torch's CPU SDPA runs its flash
+    kernel even for one row, 7x slower at 1000 keys), ``sdpa`` as the model was loaded. Every
+    method of a run attends alike (the transformers ones too: :mod:`selfspec.eval.hf`).
+
     Gate (``gate``): a round with no copy match drafts with the model only while model-drafted
     rounds measure at least as fast as plain steps (running tokens per second of each, from
     ``fallback_min_rounds`` model rounds on); otherwise it takes a plain step, and every
@@ -102,6 +108,7 @@ class DecodeConfig:
     packed_only: bool = False
     rows: int = field(default_factory=default_rows)  # 6 where bf16 weights are packed, else 1 (no padding)
     exact: bool = False
+    attention: str = "decode"
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
@@ -118,6 +125,8 @@ class DecodeConfig:
         if isinstance(self.gate_probe, bool) or not isinstance(self.gate_probe, int) or self.gate_probe < 1:
             raise SelfSpecError(f"gate_probe (plain steps between model-draft probes) must be an integer >= 1, "
                                 f"got {self.gate_probe!r}")
+        if self.attention not in ATTENTION:
+            raise SelfSpecError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
         if self.packed_only and not self.packed_weights:
             raise SelfSpecError("packed_only frees the dense weights of packed ones: it needs packed_weights=true")
 
@@ -274,7 +283,8 @@ class Request:
 def autoregressive(model, prompt_ids, cfg: DecodeConfig, eos_ids=()) -> Generation:
     """Plain decoding: one full-depth forward per new token."""
     run = Request(model, prompt_ids, cfg, eos_ids, "autoregressive", extra_slots=1)
-    with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only):
+    with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only), \
+            decode_attention(model, cfg.attention == "decode"):
         run.start()
         while not run.done:
             run.plain_step()
@@ -573,7 +583,8 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
                             f"got rows={cfg.rows}")
     run = Request(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
     spec = Speculator(run, draft)
-    with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only):
+    with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only), \
+            decode_attention(model, cfg.attention == "decode"):
         spec.start()
         while not run.done:
             spec.round()

@@ -17,6 +17,7 @@ transformers then verifies prompt lookup's guesses against a token it samples, a
 Kernels: with ``packed=True`` the call runs inside :func:`~selfspec.draft.packed.packed_weights`
 for the model (and an assistant model), so its linears run on the same prepacked
 oneDNN kernels as our methods; with ``packed=False`` on transformers' stock kernels.
+Either way the model attends as the run's ``attention`` says, as our methods do.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from selfspec.assets.models import LoadedModel
 from selfspec.draft.packed import packed_weights
+from selfspec.engine.attention import decode_attention
 from selfspec.engine.decoding import DecodeConfig, Generation
 from selfspec.engine.stats import Clock, DecodeStats
 
@@ -78,6 +80,8 @@ def hf_runner(lm: LoadedModel, name: str, gen_kwargs: dict, packed: bool = False
         with torch.inference_mode(), ExitStack() as kernels:
             for m in (model, *also_packed) if packed else ():
                 kernels.enter_context(packed_weights(m))
+            for m in (model, *also_packed):  # the run's attention, on stock kernels too
+                kernels.enter_context(decode_attention(m, cfg.attention == "decode"))
             out = model.generate(
                 input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
                 eos_token_id=eos, pad_token_id=pad, streamer=stamps, **sampling, **gen_kwargs,

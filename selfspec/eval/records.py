@@ -114,7 +114,7 @@ def decode_record(cfg: DecodeConfig) -> dict:
     packing is recorded as it ran: ``packed_weights: fp16`` / ``fp32`` for the copies, absent
     with no oneDNN (the weights as loaded). Likewise ``rows``
     appears only when not 1, ``exact`` only when on, ``gate`` and ``gate_probe``
-    only with the gate on.
+    only with the gate on, ``attention`` only when not ``sdpa`` (runs before it attended so).
     """
     rec = asdict(cfg)
     fmt = pack_format()
@@ -127,6 +127,8 @@ def decode_record(cfg: DecodeConfig) -> dict:
             del rec[key]
     if not cfg.gate:
         del rec["gate_probe"]
+    if rec["attention"] == "sdpa":
+        del rec["attention"]
     if rec["rows"] == 1:
         del rec["rows"]
     return rec

@@ -34,6 +34,7 @@ from selfspec.draft.packed import packed_weights
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
+from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import DecodeConfig, autoregressive, forward_at, self_speculative
 from selfspec.engine.stats import Clock
@@ -186,7 +187,7 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
     times: dict[str, list[float]] = {name: [] for name in configs}
     lm_head = model.get_output_embeddings()
     hidden = torch.randn(1, 1, lm_head.weight.shape[1], dtype=lm_head.weight.dtype, device=device)
-    with torch.inference_mode(), packed_weights(model):
+    with torch.inference_mode(), packed_weights(model), decode_attention(model):
         forward_at(model, cache, tokens, 0, keep=1)
         for rep in range(reps + 1):
             for name, (m, ctx_manager) in configs.items():

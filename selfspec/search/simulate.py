@@ -54,6 +54,7 @@ from selfspec.draft.copy import NGramIndex
 from selfspec.draft.packed import packed_weights
 from selfspec.draft.path import DraftPath
 from selfspec.draft.spec import DraftSpec
+from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.decoding import AdaptiveThreshold, DecodeConfig, forward_at
 from selfspec.engine.masks import layer_masks
@@ -218,7 +219,7 @@ class RoundSimulator:
         seqs = [p + c[:-1] for p, c in zip(self.prompts, self.continuations)]
         self.scratch = max((len(s) for s in seqs), default=0)  # the first scratch slot
         layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with torch.inference_mode(), packed_weights(model):
+        with torch.inference_mode(), packed_weights(model), decode_attention(model):
             for b, seq in enumerate(seqs):
                 if not seq:
                     continue
@@ -251,7 +252,7 @@ class RoundSimulator:
         memo = self.memo.setdefault(forward_key(spec), {})
         total = RoundCounts()
         heads = None
-        with torch.inference_mode(), packed_weights(self.model):
+        with torch.inference_mode(), packed_weights(self.model), decode_attention(self.model):
             replays = {b: self._replay(spec, b) for b in rows}
             pending: dict[int, tuple[int, int]] = {}
 

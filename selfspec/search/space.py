@@ -26,7 +26,6 @@ from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
 
-
 # Generic drafts a study runs first (``search.anchors``), as value preferences per dimension: the first
 # preferred value the space holds, else the space's first. They are not tuned to a model: the first is
 # the cheapest skip-free model draft with copies, the kind every search on these CPUs ended near when it
