@@ -225,6 +225,12 @@ def test_tables_name_the_kernels_and_older_transformers_rows_ran_stock(tmp_path)
     f.write_text("".join(json.dumps(r) + "\n" for r in [head] + rows))
     got = {r["method"]: r["kernels"] for r in write_tables(load_runs(tmp_path / "runs"), tmp_path / "t")["exp"]}
     assert got == {"autoregressive": "packed", "hf_generate_stock": "stock", "hf_prompt_lookup": "packed"}
+    for m in ("autoregressive", "hf_prompt_lookup"):  # a run on the decode attention says so
+        head["fingerprint"]["decode"][m]["attention"] = "decode"
+    f.write_text("".join(json.dumps(r) + "\n" for r in [head] + rows))
+    got = {r["method"]: r["kernels"] for r in write_tables(load_runs(tmp_path / "runs"), tmp_path / "t")["exp"]}
+    assert got == {"autoregressive": "packed + decode attn", "hf_generate_stock": "stock",
+                   "hf_prompt_lookup": "packed + decode attn"}
 
 
 def test_tables_mark_a_failed_partial_run(tmp_path, tiny_plan):

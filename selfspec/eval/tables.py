@@ -131,14 +131,17 @@ def _over_peer(method: str, summary: dict[str, dict], rows: list[dict], baseline
 
 def _kernels(fp: dict, method: str) -> str:
     """The kernels a method's linears ran on: ``packed`` (prepacked oneDNN weights), ``packed fp16`` / ``packed fp32``
-    (fp16 / fp32 copies, on a CPU that cannot pack bf16) or ``stock``."""
+    (fp16 / fp32 copies, on a CPU that cannot pack bf16) or ``stock``; ``+ decode attn`` where it attended through
+    :mod:`selfspec.engine.attention` (runs before it recorded none: SDPA)."""
+    decode = (fp.get("decode") or {}).get(method, {})
+    attn = " + decode attn" if decode.get("attention") == "decode" else ""
     info = (fp.get("method_info") or {}).get(method) or {}
     if "kernels" in info:
-        return info["kernels"]
+        return info["kernels"] + attn
     if method.startswith("hf_"):
         return "stock"  # runs before the packed variants existed
-    packed = (fp.get("decode") or {}).get(method, {}).get("packed_weights")
-    return f"packed {packed}" if packed in ("fp16", "fp32") else "packed" if packed else "stock"
+    packed = decode.get("packed_weights")
+    return (f"packed {packed}" if packed in ("fp16", "fp32") else "packed" if packed else "stock") + attn
 
 
 def _speedup(r: dict) -> str:
