@@ -2,8 +2,8 @@
 
 torch's CPU SDPA runs its flash kernel even for one query row, and there it costs more than
 everything else in the layer but the weights: on a 2-core Zen 4 EPYC (``results/PERF.md``) one
-row over 1000 cached keys took 1.3 ms per layer (12 heads on 2 key/value heads, head dim 128),
-35 ms per step of Qwen2.5-Coder-1.5B's 28 layers, against 0.18 ms here. A draft step is one row,
+row over 1000 cached keys took 1.34 ms per layer (12 heads on 2 key/value heads, head dim 128),
+against 0.22 ms here (``scripts/attention_bench.py``). A draft step is one row,
 so the draft paid most of it; a verify or a padded step of 4-6 rows paid about half.
 
 Here the query heads that share a key/value head are stacked as rows of one matrix product

@@ -76,7 +76,7 @@ class DecodeConfig:
 
     ``attention``: ``decode`` (default) attends through :mod:`selfspec.engine.attention` in every
     forward of a few rows (two batched products over the cache; torch's CPU SDPA runs its flash
-    kernel even for one row, 7x slower at 1000 keys), ``sdpa`` as the model was loaded. Every
+    kernel even for one row, 6x slower at 1000 keys), ``sdpa`` as the model was loaded. Every
     method of a run attends alike (the transformers ones too: :mod:`selfspec.eval.hf`).
 
     Gate (``gate``): a round with no copy match drafts with the model only while model-drafted

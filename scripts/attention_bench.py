@@ -1,0 +1,106 @@
+"""What the decode attention saves: one layer's attention alone, and whole steps of a model, SDPA against it.
+
+    python scripts/attention_bench.py [--model qwen2.5-coder-1.5b] [--contexts 300 1000] [--reps 7]
+
+Part 1, the attention alone: for each context length and 1 or 6 query rows (the model's head counts and head
+size, bf16, random values), transformers' SDPA function against :func:`selfspec.engine.attention.attention_forward`,
+with a causal mask over the cached keys (none for one row, as the model passes it). Part 2, steps of the model on
+its packed weights after a prefill of that many tokens: a one-row AR step, our AR step padded to 6 rows, a 4-row
+verify and a one-row int4 g128 full-depth draft step (full int4 head), each with either attention, all
+round-robin (a warm-up repetition first), medians. Prints and appends one JSON line to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from selfspec.assets.models import load_model
+from selfspec.draft.packed import kernels_label, packed_weights
+from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.draft.plan import SkipPlan
+from selfspec.engine.attention import attention_forward, decode_attention
+from selfspec.engine.cache import PositionalKVCache
+from selfspec.engine.decoding import forward_at
+from selfspec.engine.stats import Clock
+from selfspec.provenance import git_commit, machine_fingerprint
+
+
+def round_robin(model, fns: dict, reps: int, clock: Clock) -> dict[str, float]:
+    """Median milliseconds of each ``(decode attention on, fn)``, round-robin, repetition 0 a warm-up."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rep in range(reps + 1):
+        for name, (on, fn) in fns.items():
+            with decode_attention(model, on):
+                t0 = clock.now()
+                fn()
+                dt = clock.now() - t0
+            if rep:
+                times[name].append(dt)
+    return {name: round(statistics.median(v) * 1e3, 3) for name, v in times.items()}
+
+
+def time_steps(model, draft: DraftPath, keys: int, reps: int, clock: Clock) -> dict[str, float]:
+    """Each step after a prefill of ``keys`` tokens, with SDPA and with the decode attention (packed weights)."""
+    ctx = torch.arange(1000, 1000 + keys)
+    cache = PositionalKVCache(model, max_len=keys + 16)
+    draft.prepare(ctx)
+
+    def drafted():
+        with draft.drafting():
+            forward_at(model, cache, ctx[-1:], keys, keep=1)
+
+    fns = {}
+    for on in (False, True):
+        att = "decode" if on else "sdpa"
+        fns[f"AR 1 row {att}"] = (on, lambda: forward_at(model, cache, ctx[-1:], keys, keep=1))
+        fns[f"AR 6 rows {att}"] = (on, lambda: forward_at(model, cache, ctx[-1:], keys, keep=1, rows=6))
+        fns[f"verify 4 rows {att}"] = (on, lambda: forward_at(model, cache, ctx[-4:], keys, keep=4))
+        fns[f"int4 draft step {att}"] = (on, drafted)
+    with torch.inference_mode(), packed_weights(model):
+        forward_at(model, cache, ctx, 0, keep=1)
+        return round_robin(model, fns, reps, clock)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[300, 1000])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", default="results/attention_bench.jsonl")
+    args = ap.parse_args()
+    lm = load_model(args.model)
+    model, config = lm.model, lm.model.config.get_text_config(decoder=True)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
+    clock = Clock()
+    n = model.config.num_hidden_layers
+    draft = DraftPath(model, SkipPlan(n), DraftOptions(weights="int4", group_size=128, head_weights="int4"))
+    alone, steps = {}, {}
+    for keys in args.contexts:
+        fns = {}
+        for rows in (1, 6):
+            q = torch.randn(1, heads, rows, dim, dtype=torch.bfloat16)
+            k, v = (torch.randn(1, kv_heads, keys, dim, dtype=torch.bfloat16) for _ in range(2))
+            mask = None if rows == 1 else \
+                (torch.arange(keys)[None, :] <= torch.arange(keys - rows, keys)[:, None])[None, None]
+            fns[f"{rows} rows sdpa"] = (False, lambda q=q, k=k, v=v, m=mask: sdpa_attention_forward(layer, q, k, v, m))
+            fns[f"{rows} rows decode"] = (False, lambda q=q, k=k, v=v, m=mask: attention_forward(layer, q, k, v, m))
+        with torch.inference_mode():
+            alone[keys] = round_robin(model, fns, 10 * args.reps, clock)
+        steps[keys] = time_steps(model, draft, keys, args.reps, clock)
+        print(args.model, keys, "attention alone (ms):", alone[keys], "steps (ms):", steps[keys], flush=True)
+    res = {"model": args.model, "kernels": kernels_label(True), "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+           "reps": args.reps, "attention_alone_ms": alone, "step_ms": steps,
+           "machine": machine_fingerprint(), "git_commit": git_commit()}
+    with open(args.out, "a") as f:
+        f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()
