@@ -8,7 +8,8 @@ Two measurements, appended as one JSON line to --out:
   ``--layers`` of each so that they do not fit in cache) at one input row (a draft step), through
   the kernels a draft could use: the prepacked bf16 copy decoding verifies with, int8 weight-only
   (``_weight_int8pack_mm``), int4 weight-only in groups of 32 and 128
-  (``_weight_int4pack_mm_for_cpu``; the draft's ``weights: int8 | int4``), and fbgemm's dynamic
+  (``_weight_int4pack_mm_for_cpu``; the draft's ``weights: int8 | int4``), int4 in groups of 64 and 128
+  through our VNNI kernel (int8 activations: :mod:`selfspec.draft.vnni`, where it runs), and fbgemm's dynamic
   int8 (int8 weights per output row, activations quantized per call to 8 bits with one scale
   for the whole row: ``torch.ao.nn.quantized.dynamic.Linear``). Weights read per second, best of
   ``--reps``, kernels in rotating order.
@@ -31,14 +32,18 @@ from torch import nn
 
 from selfspec.assets.models import load_model
 from selfspec.cli.config import calibration_prompts
+from selfspec.draft import vnni
 from selfspec.draft.lowbit import LowPrecisionLinear, quantize, quantized_mm
 from selfspec.draft.packed import LinearWrapper, PackedLinear
 from selfspec.draft.wrap import wrap_descendants
 from selfspec.engine.decoding import DecodeConfig, autoregressive
 from selfspec.provenance import git_commit, machine_fingerprint
 
-# name -> (format, group size); int8 has one scale per row, so its group size goes unused
-LOW = {"int8": ("int8", 32), "int4-g32": ("int4", 32), "int4-g128": ("int4", 128)}
+# name -> (format, group size, kernel); int8 has one scale per row, so its group size goes unused
+LOW = {"int8": ("int8", 32, "int8"), "int4-g32": ("int4", 32, "int4"), "int4-g128": ("int4", 128, "int4"),
+       "int4-g64 vnni": ("int4", 64, "int4-vnni"), "int4-g128 vnni": ("int4", 128, "int4-vnni")}
+if not vnni.available():
+    LOW = {name: v for name, v in LOW.items() if v[2] != "int4-vnni"}
 
 
 class DynamicInt8Linear(LinearWrapper):
@@ -78,9 +83,9 @@ def speeds(layers: int, reps: int) -> dict[str, float]:
         dyn = DynamicInt8Linear(lin)
         dyn.active = True
         calls["int8 dynamic (fbgemm)"].append((dyn, x))
-        for name, (kind, group) in LOW.items():
-            q, s = quantize(w, kind, group)
-            calls[name].append((lambda x, kind=kind, group=group, q=q, s=s: quantized_mm(x, kind, group, q, s), x))
+        for name, (kind, group, kernel) in LOW.items():
+            _, q, s = quantize(w, kind, group, kernel)
+            calls[name].append((lambda x, k=kernel, group=group, q=q, s=s: quantized_mm(x, k, group, q, s), x))
     n_weights = sum(w.numel() for w in weights)
     best = {name: float("inf") for name in calls}
     names = list(calls)
@@ -109,8 +114,8 @@ def agreement(model_name: str, tokens: int) -> dict[str, float]:
     low = wrap_descendants(layers, LowPrecisionLinear, match=lambda m: isinstance(m, nn.Linear),
                            make=lambda m: LowPrecisionLinear(m, "int8", 32), on_existing=lambda m: None)
     out = {}
-    variants = [(name, kind, group) for name, (kind, group) in LOW.items()] + [("int8 dynamic (fbgemm)", None, 0)]
-    for name, kind, group in variants:
+    variants = [(name, *v) for name, v in LOW.items()] + [("int8 dynamic (fbgemm)", None, 0, None)]
+    for name, kind, group, kernel in variants:
         if kind is None:
             for m in low:
                 m.active = False
@@ -118,8 +123,9 @@ def agreement(model_name: str, tokens: int) -> dict[str, float]:
                                    make=DynamicInt8Linear, on_existing=lambda m: None)
             active = dyn
         else:
-            for m in low:
+            for m in low:  # this kernel's copy in place of the one configure() keeps for the format
                 m.configure(kind, group)
+                m.kernel, m.qweight, m.qscale = quantize(m.inner.weight.detach(), kind, group, kernel)
             active = low
         for m in active:
             m.active = True

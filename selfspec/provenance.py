@@ -43,9 +43,11 @@ def machine_fingerprint() -> dict:
     """
     import torch
 
+    from selfspec.draft import vnni
     from selfspec.draft.packed import pack_format
 
     return {"cpu": _cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "kernels": pack_format() or "stock",
+            "int4_kernel": "int4-vnni" if vnni.available() else f"int4 ({vnni.unavailable_reason()})",
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 

@@ -20,11 +20,11 @@ TINY_ARCHS = ("llama", "qwen2", "gemma3")
 
 
 def tiny_config(arch: str, vocab_size: int = 96, num_layers: int = 4, max_positions: int = 512,
-                tie_embeddings: bool = False):
+                tie_embeddings: bool = False, hidden_size: int = 64, intermediate_size: int = 128):
     common = dict(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -43,10 +43,10 @@ def tiny_config(arch: str, vocab_size: int = 96, num_layers: int = 4, max_positi
         layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
         return Gemma3TextConfig(
             **common,
-            head_dim=16,
+            head_dim=hidden_size // 4,
             sliding_window=8,
             layer_types=layer_types,
-            query_pre_attn_scalar=16,
+            query_pre_attn_scalar=hidden_size // 4,
             final_logit_softcapping=30.0,
         )
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")

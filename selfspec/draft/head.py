@@ -34,7 +34,7 @@ class CutHead(nn.Module):
         self.ids: torch.Tensor | None = None  # ids scored on bf16 rows (all chosen ids, or those outside the base)
         self.rows: torch.Tensor | None = None
         self.active = False
-        # the quantized base: (kind, group, base ids, packed weight, scales), and every one made so far
+        # the quantized base: (kernel, group, base ids, packed weight, scales), and every one made so far
         self.low: tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.copies: dict[tuple, tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -49,17 +49,18 @@ class CutHead(nn.Module):
     def copy_for(self, base: torch.Tensor, weights: str, group_size: int) -> tuple | None:
         """The ``weights`` copy (int8 | int4) of the ``base`` rows (sorted unique ids), made on first use and
         kept for every draft path with the same base and format; None for ``model``.
-        Returns (kind, group, base ids, packed weight, scales)."""
+        Returns (kernel, group, base ids, packed weight, scales) (:func:`~selfspec.draft.lowbit.quantize`)."""
         if weights == "model":
             return None
         key = (weights, group_size if weights == "int4" else 0, base.cpu().numpy().tobytes())
         if key not in self.copies:
             w = self.inner.weight.detach()
             rows = w if base.numel() == self.vocab else w.index_select(0, base.to(w.device))
-            pad = -rows.shape[0] % 16  # the int4 kernel packs output rows in blocks of 16: zero rows, cut off again
+            pad = -rows.shape[0] % 16  # torch's int4 kernel packs output rows in blocks of 16: zero rows, cut off again
             if pad:
                 rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-            self.copies[key] = (weights, key[1], base.to(w.device), *quantize(rows.contiguous(), weights, group_size))
+            kernel, qweight, qscale = quantize(rows.contiguous(), weights, group_size)
+            self.copies[key] = (kernel, key[1], base.to(w.device), qweight, qscale)
         return self.copies[key]
 
     def choice(self, ids: torch.Tensor, low: tuple | None = None) -> tuple:
@@ -83,8 +84,8 @@ class CutHead(nn.Module):
         if not self.active or (self.ids is None and self.low is None):
             return self.inner(x)
         if self.low is not None:
-            kind, group, base, qweight, qscale = self.low
-            low = quantized_mm(x.reshape(-1, x.shape[-1]), kind, group, qweight, qscale)[:, :base.numel()]
+            kernel, group, base, qweight, qscale = self.low
+            low = quantized_mm(x.reshape(-1, x.shape[-1]), kernel, group, qweight, qscale)[:, :base.numel()]
             low = low.reshape(*x.shape[:-1], base.numel())
             if base.numel() == self.vocab:
                 return low

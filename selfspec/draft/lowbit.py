@@ -8,6 +8,10 @@ of its weight. The copy is used only while ``active``; otherwise the layer
 computes exactly what the wrapped one computes. Decode steps are bound by
 reading weights, so a half or a quarter of the bytes makes a draft step about
 that much cheaper.
+
+An int4 copy of a bf16 weight runs on :mod:`selfspec.draft.vnni` (int8 activations, integer products on
+AVX-512 VNNI; the same int4 values in another layout) where that kernel runs and takes the shape, else on torch's
+kernel. Each copy carries the name of the kernel it was laid out for (:func:`quantize`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from selfspec.draft import vnni
 from selfspec.draft.packed import LinearWrapper, PackedLinear
 from selfspec.draft.wrap import wrap_descendants
 from selfspec.errors import SelfSpecError
@@ -26,7 +31,9 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.to(w.dtype)
 
 
-def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 groups of ``group`` inputs: values q [N, K] in 0..15, scale and zero [N, K/group], with
+    weight = (q - 8) * scale + zero (the form torch's int4 kernel computes)."""
     n, k = w.shape
     if k % group:
         raise SelfSpecError(f"int4 needs in_features ({k}) divisible by group_size ({group})")
@@ -34,21 +41,43 @@ def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
     lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
     scale = ((hi - lo) / 15.0).clamp(min=1e-8)
     q = torch.round((wg - lo) / scale).clamp(0, 15).reshape(n, k).to(torch.int32)
-    zero = lo + 8.0 * scale  # the kernel computes (q - 8) * scale + zero
-    sz = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).to(w.dtype).contiguous()
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-    return packed, sz
+    return q, scale.squeeze(-1), (lo + 8.0 * scale).squeeze(-1)
 
 
-def quantize(w: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight-only quantized copy of ``w`` ``[out, in]``: (packed weight, scales) for :func:`quantized_mm`."""
-    return _quantize_int8(w) if kind == "int8" else _quantize_int4(w, group)
+def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale, zero = _int4_groups(w, group)
+    sz = torch.stack([scale.t(), zero.t()], dim=-1).to(w.dtype).contiguous()
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), sz
 
 
-def quantized_mm(x2: torch.Tensor, kind: str, group: int, qweight: torch.Tensor, qscale: torch.Tensor) -> torch.Tensor:
-    """``x2 @ w.T`` for a 2-D ``x2`` through the copy :func:`quantize` made (no bias)."""
+def int4_kernel(w: torch.Tensor, group: int) -> str:
+    """The kernel an int4 copy of ``w`` runs on: ``int4-vnni`` (:mod:`selfspec.draft.vnni`) for a bf16 CPU weight
+    it takes where it runs, else ``int4`` (torch's ``_weight_int4pack_mm_for_cpu``)."""
+    if w.dtype == torch.bfloat16 and w.device.type == "cpu" and vnni.fits(w.shape[1], group) and vnni.available():
+        return "int4-vnni"
+    return "int4"
+
+
+def quantize(w: torch.Tensor, kind: str, group: int, kernel: str | None = None) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """A weight-only quantized copy of ``w`` ``[out, in]``: (kernel, packed weight, scales) for :func:`quantized_mm`.
+
+    ``kind``: int8 | int4; ``kernel`` (int4 only): ``int4`` (torch's) or ``int4-vnni``; default :func:`int4_kernel`.
+    """
     if kind == "int8":
+        return ("int8", *_quantize_int8(w))
+    kernel = kernel or int4_kernel(w, group)
+    if kernel == "int4-vnni":
+        q, scale, zero = _int4_groups(w, group)
+        return ("int4-vnni", *vnni.pack(q, torch.stack([scale, zero], dim=-1)))
+    return ("int4", *_quantize_int4(w, group))
+
+
+def quantized_mm(x2: torch.Tensor, kernel: str, group: int, qweight: torch.Tensor, qscale: torch.Tensor) -> torch.Tensor:
+    """``x2 @ w.T`` for a 2-D ``x2`` through the copy :func:`quantize` made for ``kernel`` (no bias)."""
+    if kernel == "int8":
         return torch.ops.aten._weight_int8pack_mm(x2, qweight, qscale)
+    if kernel == "int4-vnni":
+        return vnni.mm(x2, qweight, qscale, group)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight, group, qscale)
 
 
@@ -62,8 +91,8 @@ class LowPrecisionLinear(LinearWrapper):
 
     def __init__(self, inner: nn.Module, weights: str, group_size: int) -> None:
         super().__init__(inner)
-        self.kind, self.group = "", 0
-        self.copies: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kind, self.group, self.kernel = "", 0, ""
+        self.copies: dict[tuple[str, int], tuple[str, torch.Tensor, torch.Tensor]] = {}
         self.configure(weights, group_size)
 
     def configure(self, weights: str, group_size: int) -> None:
@@ -73,29 +102,32 @@ class LowPrecisionLinear(LinearWrapper):
             w = self.inner.weight.detach()
             self.copies[key] = quantize(w, weights, group_size)
         self.kind, self.group = key
-        self.qweight, self.qscale = self.copies[key]
+        self.kernel, self.qweight, self.qscale = self.copies[key]
 
     @property
     def extra_bytes(self) -> int:
         """The copy in use."""
         return self.copy_bytes(self.kind, self.group)
 
+    def copy(self, weights: str, group_size: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """The copy in this format (made by :meth:`configure`): (kernel, packed weight, scales)."""
+        return self.copies[(weights, 0 if weights == "int8" else group_size)]
+
     def copy_bytes(self, weights: str, group_size: int) -> int:
         """The copy in this format (made by :meth:`configure`)."""
-        pair = self.copies[(weights, 0 if weights == "int8" else group_size)]
-        return sum(t.numel() * t.element_size() for t in pair)
+        return sum(t.numel() * t.element_size() for t in self.copy(weights, group_size)[1:])
 
     @property
     def kept_bytes(self) -> int:
         """All copies held, the one in use included."""
-        return sum(t.numel() * t.element_size() for pair in self.copies.values() for t in pair)
+        return sum(t.numel() * t.element_size() for copy in self.copies.values() for t in copy[1:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active:
             return self.inner(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        y = quantized_mm(x2, self.kind, self.group, self.qweight, self.qscale)
+        y = quantized_mm(x2, self.kernel, self.group, self.qweight, self.qscale)
         if self.inner.bias is not None:
             y = y + self.inner.bias
         return y.reshape(*shape[:-1], self.out_features)

@@ -203,6 +203,14 @@ class DraftPath:
                                                                              rows.numel() * rows.element_size())
         return sum(lin.copy_bytes(self.options.weights, self.options.group_size) for lin in self.linears) + head
 
+    @property
+    def kernels(self) -> list[str]:
+        """The low-precision kernels this path drafts through (:func:`~selfspec.draft.lowbit.quantize`), sorted."""
+        found = {lin.copy(self.options.weights, self.options.group_size)[0] for lin in self.linears}
+        if self.head_low is not None:
+            found.add(self.head_low[0])
+        return sorted(found)
+
     def head_ids(self, prompt: torch.Tensor) -> torch.Tensor:
         """The ids the cut head scores for a request: the base ids and the prompt's own tokens."""
         return torch.cat([self.base_ids.to(prompt.device), prompt.reshape(-1)]).unique()

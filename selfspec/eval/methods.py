@@ -124,7 +124,16 @@ def _self_speculative(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None,
     path = DraftPath(lm.model, plan, options, stop_ids=lm.eos_ids)
     return Method("self_speculative",
                   lambda ids, c: self_speculative(lm.model, ids, plan, c, lm.eos_ids, draft=path), cfg, plan,
-                  extra_memory_bytes=path.extra_bytes + _packed_bytes(lm, cfg), info=options.record())
+                  extra_memory_bytes=path.extra_bytes + _packed_bytes(lm, cfg), info=_draft_info(options, path))
+
+
+def _draft_info(options: DraftOptions, path: DraftPath) -> dict | None:
+    """What a run records of a draft: its options, and ``draft_kernel`` where it drafts on our VNNI int4 kernel
+    (runs on torch's kernels record none, as before it existed)."""
+    info = options.record()
+    if "int4-vnni" in path.kernels:
+        info = {**(info or {}), "draft_kernel": "int4-vnni"}
+    return info
 
 
 def _hf(name: str, lm: LoadedModel, cfg: DecodeConfig, kwargs: dict, stock: bool, info: dict | None = None,

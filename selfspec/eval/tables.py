@@ -132,12 +132,15 @@ def _over_peer(method: str, summary: dict[str, dict], rows: list[dict], baseline
 def _kernels(fp: dict, method: str) -> str:
     """The kernels a method's linears ran on: ``packed`` (prepacked oneDNN weights), ``packed fp16`` / ``packed fp32``
     (fp16 / fp32 copies, on a CPU that cannot pack bf16) or ``stock``; ``+ decode attn`` where it attended through
-    :mod:`selfspec.engine.attention` (runs before it recorded none: SDPA)."""
+    :mod:`selfspec.engine.attention` (runs before it recorded none: SDPA); ``+ int4-vnni draft`` where its draft's
+    int4 products ran on :mod:`selfspec.draft.vnni`."""
     decode = (fp.get("decode") or {}).get(method, {})
     attn = " + decode attn" if decode.get("attention") == "decode" else ""
     info = (fp.get("method_info") or {}).get(method) or {}
     if "kernels" in info:
         return info["kernels"] + attn
+    if info.get("draft_kernel"):
+        attn += f" + {info['draft_kernel']} draft"
     if method.startswith("hf_"):
         return "stock"  # runs before the packed variants existed
     packed = decode.get("packed_weights")

@@ -1,0 +1,116 @@
+// int4 weights x int8 activations through AVX-512 VNNI: the draft's int4 products (selfspec/draft/vnni.py).
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] for bf16 x [M, K] and int4 w, where w = (q - 8) * scale + zero per group of G
+// inputs (the values torch's _weight_int4pack_mm_for_cpu computes with). x is rounded to int8 per block of 64
+// inputs (one scale each); the integer products run on _mm512_dpbusd_epi32 (4 u8 x s8 products per lane).
+//
+// Layout of w: [N, K/2] uint8; each 64 bytes hold 128 inputs, byte j = q[j] | q[j + 64] << 4.
+// Layout of sz: [N, K/G, 2] bf16 (scale, zero). K % 128 == 0, G in {64, 128, 256}, G | K.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+// Per row m: xq int8 [M, K], xs [M, K/64] the block scales, xg [M, K/G] each group's sum of the *rounded*
+// activations (xs * xq), so that the zero point's term and the integer products see the same inputs.
+void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* xs, float* xg) {
+  const int64_t blocks = K / 64;
+  for (int64_t m = 0; m < M; ++m) {
+    const at::BFloat16* xr = x + m * K;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float amax = 0.f;
+      for (int i = 0; i < 64; ++i) amax = std::max(amax, std::abs(static_cast<float>(xr[b * 64 + i])));
+      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < 64; ++i) {
+        const float v = std::nearbyint(static_cast<float>(xr[b * 64 + i]) * inv);
+        const int8_t q = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
+        xq[m * K + b * 64 + i] = q;
+        sum += q;
+      }
+      xs[m * blocks + b] = scale;
+      const int64_t g = b * 64 / G;
+      if (b * 64 % G == 0) xg[m * (K / G) + g] = 0.f;
+      xg[m * (K / G) + g] += scale * static_cast<float>(sum);
+    }
+  }
+}
+
+// Output rows [n0, n1) for input rows [m0, m0 + MB): each weight byte is loaded and unpacked once for MB rows.
+template <int MB>
+void rows_block(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, const float* XS, const float* XG,
+                at::BFloat16* Y, int64_t K, int64_t N, int64_t G, int64_t m0, int64_t n0, int64_t n1) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int64_t groups = K / G, halves = G / 64, blocks = K / 64;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = W + n * (K / 2);
+    const at::BFloat16* szr = SZ + n * groups * 2;
+    __m512 acc[MB];
+    float zero_term[MB];
+    for (int i = 0; i < MB; ++i) {
+      acc[i] = _mm512_setzero_ps();
+      zero_term[i] = 0.f;
+    }
+    int64_t h = 0;  // the block of 64 inputs
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 acc_g[MB];
+      for (int i = 0; i < MB; ++i) acc_g[i] = _mm512_setzero_ps();
+      for (int64_t e = 0; e < halves; ++e, ++h) {
+        const __m512i bytes = _mm512_loadu_si512(static_cast<const void*>(wr + (h >> 1) * 64));
+        const __m512i q = (h & 1) ? _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4) : _mm512_and_si512(bytes, low4);
+        for (int i = 0; i < MB; ++i) {
+          const int64_t m = m0 + i;
+          const __m512i a = _mm512_loadu_si512(static_cast<const void*>(XQ + m * K + h * 64));
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, a);
+          acc_g[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(XS[m * blocks + h]), acc_g[i]);
+        }
+      }
+      const float scale = static_cast<float>(szr[2 * g]), zero = static_cast<float>(szr[2 * g + 1]);
+      const __m512 s = _mm512_set1_ps(scale);
+      for (int i = 0; i < MB; ++i) {
+        acc[i] = _mm512_fmadd_ps(acc_g[i], s, acc[i]);
+        zero_term[i] += (zero - 8.f * scale) * XG[(m0 + i) * groups + g];  // sum (q - 8) s a + z a = s q.a + (z - 8 s) a
+      }
+    }
+    for (int i = 0; i < MB; ++i) Y[(m0 + i) * N + n] = at::BFloat16(_mm512_reduce_add_ps(acc[i]) + zero_term[i]);
+  }
+}
+
+}  // namespace
+
+torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz, int64_t G) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: contiguous uint8 [N, K/2]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 128 == 0 && G % 64 == 0 && K % G == 0 && w.size(1) == K / 2, "K % 128, G % 64, K % G, w [N, K/2]");
+  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.numel() == N * (K / G) * 2,
+              "sz: contiguous bf16 [N, K/G, 2]");
+  auto xq = torch::empty({M, K}, torch::kInt8);
+  auto xs = torch::empty({M, K / 64}, torch::kFloat);
+  auto xg = torch::empty({M, K / G}, torch::kFloat);
+  quantize_rows(x.data_ptr<at::BFloat16>(), M, K, G, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xg.data_ptr<float>());
+  auto y = torch::empty({M, N}, torch::kBFloat16);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const at::BFloat16* SZ = sz.data_ptr<at::BFloat16>();
+  const int8_t* XQ = xq.data_ptr<int8_t>();
+  const float* XS = xs.data_ptr<float>();
+  const float* XG = xg.data_ptr<float>();
+  at::BFloat16* Y = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 4: rows_block<4>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1); break;
+        case 3: rows_block<3>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1); break;
+        case 2: rows_block<2>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1); break;
+        default: rows_block<1>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1);
+      }
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int4_mm", &int4_mm, "int4 weights x int8 activations (VNNI)"); }

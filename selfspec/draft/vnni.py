@@ -1,0 +1,124 @@
+"""int4 draft products on AVX-512 VNNI: int4 weights times int8 activations (``csrc/int4_vnni.cpp``).
+
+torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) multiplies bf16 activations by int4 weights in
+floating point; for one row it reads about 39 G weights/s on a 2-core Zen 4, where the bandwidth would carry ~60 G
+(int4 is 0.5 byte a weight). llama.cpp's way is faster: round the activations to int8 (one scale per block of 64)
+and sum the products of bytes in integers (``vpdpbusd``, 64 multiply-adds an instruction). This kernel does that
+for the draft's int4 copies. The weights are the same int4 values as torch's kernel's (the same groups, scales and
+zero points, in another layout); only the activations are rounded, to 8 bits, which adds ~0.6% relative error to a
+product whose int4 weights are off by several percent already (``scripts/draft_kernels.py`` measures both, and the
+agreement with the full model).
+
+It is compiled on first use with torch's ``cpp_extension`` (g++ and ninja; ~20 s, once per machine and torch
+version) into the selfspec cache (``$SELFSPEC_CACHE/kernels``). :func:`available` says whether it runs here: a
+Linux x86 CPU with AVX-512 F/BW/VL/VNNI and a build that succeeded. Elsewhere, or with
+``SELFSPEC_INT4_KERNEL=aten``, int4 drafts run torch's kernel (a failed build says so on stderr, once);
+runs record which (``int4_kernel`` in the machine fingerprint, ``draft_kernel`` in a method's info).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from selfspec.errors import SelfSpecError
+
+SOURCE = Path(__file__).parent / "csrc" / "int4_vnni.cpp"
+FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+BLOCK = 128  # inputs per 64 packed bytes
+GROUPS = (64, 128, 256)  # the kernel's int4 group sizes (a group is whole blocks of 64 rounded activations)
+ENV = "SELFSPEC_INT4_KERNEL"  # aten: never use this kernel
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux), else none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def unavailable_reason() -> str | None:
+    """Why this kernel does not run here (None where it does). Builds it on first call."""
+    return _load()[1]
+
+
+def available() -> bool:
+    """Whether int4 drafts run on this kernel here."""
+    return _load()[0] is not None
+
+
+def fits(in_features: int, group_size: int) -> bool:
+    """Whether the kernel takes a weight of this many inputs in groups of this size."""
+    return group_size in GROUPS and in_features % BLOCK == 0 and in_features % group_size == 0
+
+
+@functools.cache
+def _load():
+    """(the compiled module, None) or (None, why not); once per process."""
+    if os.environ.get(ENV, "").lower() == "aten":
+        return None, f"{ENV}=aten"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"not an x86-64 CPU ({platform.machine()})"
+    missing = [f for f in FLAGS if f not in cpu_flags()]
+    if missing:
+        return None, f"the CPU lacks {', '.join(missing)}"
+    try:
+        module = _build()
+    except Exception as e:  # noqa: BLE001 - a compiler, ninja or header problem: fall back, say why
+        reason = f"its build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
+        print(f"selfspec: int4 drafts run torch's int4 kernel: the VNNI kernel's {reason}", file=sys.stderr)
+        return None, reason
+    return module, None
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    from selfspec.assets.fetch import default_cache_dir
+
+    # torch's build runs `ninja` from PATH: a virtual environment's own (pip's ninja) counts when it is not activated
+    scripts = sysconfig.get_path("scripts")
+    if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), scripts]).strip(os.pathsep)
+    build = default_cache_dir() / "kernels" / f"int4_vnni-torch{torch.__version__.split('+')[0]}"
+    build.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+    return load("selfspec_int4_vnni", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                build_directory=str(build), verbose=False)
+
+
+def pack(q: torch.Tensor, scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's layout of int4 values ``q`` [N, K] (0..15) and their groups' (scale, zero) [N, K/G, 2]:
+    64 bytes per 128 inputs, byte j holding inputs j (low half) and j + 64 (high half); the scales in bf16."""
+    n, k = q.shape
+    if k % BLOCK:
+        raise SelfSpecError(f"the VNNI int4 kernel needs in_features divisible by {BLOCK}, got {k}")
+    halves = q.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
+    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return packed, scale_zero.to(torch.bfloat16).contiguous()
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The int4 values [N, K] of :func:`pack`'s layout (for tests and checks)."""
+    n, half = packed.shape
+    blocks = packed.reshape(n, half // (BLOCK // 2), BLOCK // 2)
+    return torch.stack([blocks & 15, blocks >> 4], dim=2).reshape(n, 2 * half)
+
+
+def mm(x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x2 @ w.T`` for bf16 ``x2`` [M, K] and the int4 weight :func:`pack` laid out; bf16 [M, N]."""
+    module, reason = _load()
+    if module is None:
+        raise SelfSpecError(f"the VNNI int4 kernel does not run here: {reason}")
+    return module.int4_mm(x2.contiguous(), packed, scale_zero, group_size)
