@@ -8,7 +8,7 @@ Two measurements, appended as one JSON line to --out:
   ``--layers`` of each so that they do not fit in cache) at one input row (a draft step), through
   the kernels a draft could use: the prepacked bf16 copy decoding verifies with, int8 weight-only
   (``_weight_int8pack_mm``), int4 weight-only in groups of 32 and 128
-  (``_weight_int4pack_mm_for_cpu``; the draft's ``weights: int8 | int4``), int4 in groups of 64 and 128
+  (``_weight_int4pack_mm_for_cpu``; the draft's ``weights: int8 | int4``), int4 in groups of 32 and 128
   through our VNNI kernel (int8 activations: :mod:`selfspec.draft.vnni`, where it runs), and fbgemm's dynamic
   int8 (int8 weights per output row, activations quantized per call to 8 bits with one scale
   for the whole row: ``torch.ao.nn.quantized.dynamic.Linear``). Weights read per second, best of
@@ -41,7 +41,7 @@ from selfspec.provenance import git_commit, machine_fingerprint
 
 # name -> (format, group size, kernel); int8 has one scale per row, so its group size goes unused
 LOW = {"int8": ("int8", 32, "int8"), "int4-g32": ("int4", 32, "int4"), "int4-g128": ("int4", 128, "int4"),
-       "int4-g64 vnni": ("int4", 64, "int4-vnni"), "int4-g128 vnni": ("int4", 128, "int4-vnni")}
+       "int4-g32 vnni": ("int4", 32, "int4-vnni"), "int4-g128 vnni": ("int4", 128, "int4-vnni")}
 if not vnni.available():
     LOW = {name: v for name, v in LOW.items() if v[2] != "int4-vnni"}
 

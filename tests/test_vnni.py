@@ -35,7 +35,7 @@ def test_pack_and_unpack_are_inverse():
 
 
 @needs_vnni
-@pytest.mark.parametrize("group", [64, 128, 256])
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6])
 def test_kernel_computes_the_rounded_product(group, rows):
     torch.manual_seed(rows)
@@ -56,7 +56,7 @@ def test_kernel_computes_the_rounded_product(group, rows):
 @needs_vnni
 def test_int4_copies_of_bf16_weights_that_fit_take_the_vnni_kernel():
     assert int4_kernel(torch.zeros(16, 256, dtype=torch.bfloat16), 128) == "int4-vnni"
-    assert int4_kernel(torch.zeros(16, 256, dtype=torch.bfloat16), 32) == "int4"  # groups below 64
+    assert int4_kernel(torch.zeros(16, 256, dtype=torch.bfloat16), 32) == "int4-vnni"
     assert int4_kernel(torch.zeros(16, 576, dtype=torch.bfloat16), 64) == "int4"  # inputs not whole blocks of 128
     assert int4_kernel(torch.zeros(16, 256), 128) == "int4"  # fp32 weights
     lin = torch.nn.Linear(256, 40, bias=True).to(torch.bfloat16)

@@ -30,9 +30,9 @@ import torch
 from selfspec.errors import SelfSpecError
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_vnni.cpp"
-FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+FLAGS = ("fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 BLOCK = 128  # inputs per 64 packed bytes
-GROUPS = (64, 128, 256)  # the kernel's int4 group sizes (a group is whole blocks of 64 rounded activations)
+GROUPS = (32, 64, 128, 256)  # the kernel's int4 group sizes
 ENV = "SELFSPEC_INT4_KERNEL"  # aten: never use this kernel
 
 
@@ -93,7 +93,7 @@ def _build():
         os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), scripts]).strip(os.pathsep)
     build = default_cache_dir() / "kernels" / f"int4_vnni-torch{torch.__version__.split('+')[0]}"
     build.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+    flags = ["-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
     return load("selfspec_int4_vnni", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                 build_directory=str(build), verbose=False)
 

@@ -5,7 +5,7 @@
 // inputs (one scale each); the integer products run on _mm512_dpbusd_epi32 (4 u8 x s8 products per lane).
 //
 // Layout of w: [N, K/2] uint8; each 64 bytes hold 128 inputs, byte j = q[j] | q[j + 64] << 4.
-// Layout of sz: [N, K/G, 2] bf16 (scale, zero). K % 128 == 0, G in {64, 128, 256}, G | K.
+// Layout of sz: [N, K/G, 2] bf16 (scale, zero). K % 128 == 0, G in {32, 64, 128, 256}, G | K.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -25,17 +25,19 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G, int8_
       float amax = 0.f;
       for (int i = 0; i < 64; ++i) amax = std::max(amax, std::abs(static_cast<float>(xr[b * 64 + i])));
       const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
+      int32_t sum[2] = {0, 0};  // of each 32 inputs
       for (int i = 0; i < 64; ++i) {
         const float v = std::nearbyint(static_cast<float>(xr[b * 64 + i]) * inv);
         const int8_t q = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
         xq[m * K + b * 64 + i] = q;
-        sum += q;
+        sum[i / 32] += q;
       }
       xs[m * blocks + b] = scale;
-      const int64_t g = b * 64 / G;
-      if (b * 64 % G == 0) xg[m * (K / G) + g] = 0.f;
-      xg[m * (K / G) + g] += scale * static_cast<float>(sum);
+      for (int j = 0; j < 2; ++j) {
+        const int64_t k0 = b * 64 + j * 32, g = k0 / G;
+        if (k0 % G == 0) xg[m * (K / G) + g] = 0.f;
+        xg[m * (K / G) + g] += scale * static_cast<float>(sum[j]);
+      }
     }
   }
 }
@@ -80,13 +82,57 @@ void rows_block(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, cons
   }
 }
 
+// Groups of 32 (the GGUF's 4-bit blocks): the two groups of a block of 64 inputs fill lanes 0-7 and 8-15 of the
+// integer products, so each block takes one vector of the two groups' scales, and the zero points' terms run four
+// floats at a time (scale and zero of both groups against -8 and 1 times each group's activation sum).
+template <int MB>
+void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, const float* XS, const float* XG,
+                    at::BFloat16* Y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);  // s0 x 8, s1 x 8
+  const int64_t groups = K / 32, blocks = K / 64;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = W + n * (K / 2);
+    const uint16_t* szr = reinterpret_cast<const uint16_t*>(SZ) + n * groups * 2;
+    __m512 acc[MB];
+    __m128 zacc[MB];
+    for (int i = 0; i < MB; ++i) {
+      acc[i] = _mm512_setzero_ps();
+      zacc[i] = _mm_setzero_ps();
+    }
+    for (int64_t h = 0; h < blocks; ++h) {
+      const __m512i bytes = _mm512_loadu_si512(static_cast<const void*>(wr + (h >> 1) * 64));
+      const __m512i q = (h & 1) ? _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4) : _mm512_and_si512(bytes, low4);
+      // (s0, z0, s1, z1) of groups 2h and 2h + 1: bf16 -> fp32 is a shift of 16 bits
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(szr + 4 * h));
+      const __m128 sz4 = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(raw), 16));
+      const __m512 ws = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sz4));
+      for (int i = 0; i < MB; ++i) {
+        const int64_t m = m0 + i;
+        const __m512i a = _mm512_loadu_si512(static_cast<const void*>(XQ + m * K + h * 64));
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, a);
+        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(XS[m * blocks + h]));
+        acc[i] = _mm512_fmadd_ps(scaled, ws, acc[i]);
+        const float a0 = XG[m * groups + 2 * h], a1 = XG[m * groups + 2 * h + 1];
+        zacc[i] = _mm_fmadd_ps(sz4, _mm_setr_ps(-8.f * a0, a0, -8.f * a1, a1), zacc[i]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      __m128 z = _mm_add_ps(zacc[i], _mm_movehl_ps(zacc[i], zacc[i]));
+      z = _mm_add_ss(z, _mm_shuffle_ps(z, z, 1));
+      Y[(m0 + i) * N + n] = at::BFloat16(_mm512_reduce_add_ps(acc[i]) + _mm_cvtss_f32(z));
+    }
+  }
+}
+
 }  // namespace
 
 torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz, int64_t G) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: contiguous uint8 [N, K/2]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % 128 == 0 && G % 64 == 0 && K % G == 0 && w.size(1) == K / 2, "K % 128, G % 64, K % G, w [N, K/2]");
+  TORCH_CHECK(K % 128 == 0 && (G == 32 || G % 64 == 0) && K % G == 0 && w.size(1) == K / 2,
+              "K % 128, G 32 or a multiple of 64, K % G, w [N, K/2]");
   TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.numel() == N * (K / G) * 2,
               "sz: contiguous bf16 [N, K/G, 2]");
   auto xq = torch::empty({M, K}, torch::kInt8);
@@ -102,6 +148,15 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   at::BFloat16* Y = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      if (G == 32) {
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 4: rows_block_g32<4>(W, SZ, XQ, XS, XG, Y, K, N, m0, n0, n1); break;
+          case 3: rows_block_g32<3>(W, SZ, XQ, XS, XG, Y, K, N, m0, n0, n1); break;
+          case 2: rows_block_g32<2>(W, SZ, XQ, XS, XG, Y, K, N, m0, n0, n1); break;
+          default: rows_block_g32<1>(W, SZ, XQ, XS, XG, Y, K, N, m0, n0, n1);
+        }
+        continue;
+      }
       switch (std::min<int64_t>(4, M - m0)) {
         case 4: rows_block<4>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1); break;
         case 3: rows_block<3>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1); break;
