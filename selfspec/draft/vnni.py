@@ -94,8 +94,9 @@ def _build():
     build = default_cache_dir() / "kernels" / f"int4_vnni-torch{torch.__version__.split('+')[0]}"
     build.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
-    return load("selfspec_int4_vnni", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                build_directory=str(build), verbose=False)
+    load("selfspec_int4_vnni", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+         build_directory=str(build), verbose=False, is_python_module=False)  # registers torch.ops.selfspec_vnni
+    return torch.ops.selfspec_vnni
 
 
 def pack(q: torch.Tensor, scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,84 @@
+"""Where one draft step's time goes: the operators of a full-depth int4 draft step, by torch.profiler.
+
+    python scripts/profile_draft_step.py [--model qwen2.5-coder-1.5b] [--keys 300] [--steps 10]
+
+A one-row draft step through the draft's low-precision copies (int4 g128 kept weights, full int4 head, no sublayer
+skipped: the searched 1.5B draft's kind) after a prefill of ``--keys`` tokens, on the packed weights and the decode
+attention, as decoding runs it. Prints the median wall time of a step (unprofiled), then the profiler's operator
+self-time table over ``--steps`` steps, and appends one JSON line to --out: the step's wall time, the operators'
+summed self time per step, the int4 products' share, and the rest (what the step spends outside operators: Python,
+module calls, the profiler's own cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from selfspec.assets.models import load_model
+from selfspec.draft.packed import packed_weights
+from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.draft.plan import SkipPlan
+from selfspec.engine.attention import decode_attention
+from selfspec.engine.cache import PositionalKVCache
+from selfspec.engine.decoding import forward_at
+from selfspec.engine.stats import Clock
+from selfspec.provenance import git_commit, machine_fingerprint
+
+PRODUCTS = ("selfspec_vnni::int4_mm", "_weight_int4pack_mm_for_cpu")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--keys", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default="results/draft_step_profile.jsonl")
+    args = ap.parse_args()
+    model = load_model(args.model).model
+    draft = DraftPath(model, SkipPlan(model.config.num_hidden_layers),
+                      DraftOptions(weights="int4", group_size=128, head_weights="int4"))
+    ctx = torch.arange(1000, 1000 + args.keys)
+    cache = PositionalKVCache(model, max_len=args.keys + 16)
+    draft.prepare(ctx)
+    clock = Clock()
+
+    def step() -> None:
+        with draft.drafting():
+            forward_at(model, cache, ctx[-1:], args.keys, keep=1)
+
+    with torch.inference_mode(), packed_weights(model), decode_attention(model, True):
+        forward_at(model, cache, ctx, 0, keep=1)
+        for _ in range(3):
+            step()
+        wall = []
+        for _ in range(args.steps):
+            t0 = clock.now()
+            step()
+            wall.append(clock.now() - t0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                step()
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=20))
+    per_step = {e.key: e.self_cpu_time_total / 1e3 / args.steps for e in events}  # ms
+    ops = sum(per_step.values())
+    products = sum(v for k, v in per_step.items() if any(p in k for p in PRODUCTS))
+    step_ms = statistics.median(wall) * 1e3
+    top = dict(sorted(per_step.items(), key=lambda kv: -kv[1])[:12])
+    print(f"step {step_ms:.1f} ms (median, unprofiled); operators {ops:.1f} ms a step (profiled), of which int4 "
+          f"products {products:.1f} ms; kernels: {draft.kernels}")
+    row = {"model": args.model, "keys": args.keys, "steps": args.steps, "kernels": draft.kernels,
+           "step_ms": round(step_ms, 2), "operators_ms": round(ops, 2), "int4_products_ms": round(products, 2),
+           "top_operators_ms": {k: round(v, 3) for k, v in top.items()},
+           "machine": machine_fingerprint(), "git_commit": git_commit()}
+    with open(args.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
