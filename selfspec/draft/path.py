@@ -7,8 +7,8 @@ second model and without touching what verification computes:
 - ``weights: int8 | int4``: the linear layers of the *kept* sublayers get a
   weight-only quantized copy (int8 with one scale per output row, through
   ``torch.ops.aten._weight_int8pack_mm``; int4 with asymmetric groups of
-  ``group_size``, through ``_weight_int4pack_mm_for_cpu``) used only while
-  drafting. Decode steps are memory-bound, so reading a half or a quarter of
+  ``group_size``, through :mod:`selfspec.draft.vnni` where the CPU has AVX-512
+  VNNI, else ``_weight_int4pack_mm_for_cpu``) used only while drafting. Decode steps are memory-bound, so reading a half or a quarter of
   the bytes makes a draft step about that much cheaper. The copies are extra
   memory and are reported (:attr:`DraftPath.extra_bytes`).
 - ``head_tokens: N``: while drafting, the LM head scores only N token ids (the
