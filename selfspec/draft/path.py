@@ -8,8 +8,9 @@ second model and without touching what verification computes:
   weight-only quantized copy (int8 with one scale per output row, through
   ``torch.ops.aten._weight_int8pack_mm``; int4 with asymmetric groups of
   ``group_size``, through :mod:`selfspec.draft.vnni` where the CPU has AVX-512
-  VNNI, else ``_weight_int4pack_mm_for_cpu``) used only while drafting. Decode steps are memory-bound, so reading a half or a quarter of
-  the bytes makes a draft step about that much cheaper. The copies are extra
+  VNNI, else ``_weight_int4pack_mm_for_cpu``) used only while drafting.
+  Decode steps are memory-bound, so reading a half or a quarter of the bytes
+  makes a draft step about that much cheaper. The copies are extra
   memory and are reported (:attr:`DraftPath.extra_bytes`).
 - ``head_tokens: N``: while drafting, the LM head scores only N token ids (the
   lowest ids, which byte-pair merge order makes the most frequent ones, plus
