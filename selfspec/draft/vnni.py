@@ -1,7 +1,7 @@
 """int4 draft products on AVX-512 VNNI: int4 weights times int8 activations (``csrc/int4_vnni.cpp``).
 
 torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) multiplies bf16 activations by int4 weights in
-floating point; for one row it reads about 39 G weights/s on a 2-core Zen 4, where the bandwidth would carry ~60 G
+floating point; for one row it reads about 38 G weights/s on a 2-core Zen 4, where the bandwidth would carry ~60 G
 (int4 is 0.5 byte a weight). llama.cpp's way is faster: round the activations to int8 (one scale per block of 64)
 and sum the products of bytes in integers (``vpdpbusd``, 64 multiply-adds an instruction). This kernel does that
 for the draft's int4 copies. The weights are the same int4 values as torch's kernel's (the same groups, scales and
