@@ -123,8 +123,8 @@ def agreement(model_name: str, tokens: int) -> dict[str, float]:
                                    make=DynamicInt8Linear, on_existing=lambda m: None)
             active = dyn
         else:
-            for m in low:  # this kernel's copy in place of the one configure() keeps for the format
-                m.configure(kind, group)
+            for m in low:  # this kernel's copy in place of the one configure() would pick for the format
+                m.group = group
                 m.kernel, m.qweight, m.qscale = quantize(m.inner.weight.detach(), kind, group, kernel)
             active = low
         for m in active:

@@ -121,7 +121,7 @@ def main() -> None:
         meas = {k: statistics.median(measured_parts(s)[k] for s in reps) for k in (*PARTS, "rest")}
         ratios = paired_ratios(per_rep, f"draft{i}", AR, "tpot_s")
         last = reps[-1]
-        row = {"draft": spec.describe(),
+        row = {"draft": spec.describe(), "adaptive": spec.adaptive,
                "rounds": {"simulated": {"rounds": counts.rounds, "copy": sum(counts.copy_rounds.values()),
                                         "plain": counts.plain_steps, "drafted": counts.drafted, "accepted": counts.accepted},
                           "measured": {"rounds": last.rounds, "copy": last.copy_rounds, "plain": last.plain_steps,

@@ -19,6 +19,7 @@ runs record which (``int4_kernel`` in the machine fingerprint, ``draft_kernel`` 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import sys
@@ -65,7 +66,7 @@ def fits(in_features: int, group_size: int) -> bool:
 
 @functools.cache
 def _load():
-    """(the compiled module, None) or (None, why not); once per process."""
+    """(the kernel's operator namespace, ``torch.ops.selfspec_vnni``, None) or (None, why not); once per process."""
     if os.environ.get(ENV, "").lower() == "aten":
         return None, f"{ENV}=aten"
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -91,7 +92,10 @@ def _build():
     scripts = sysconfig.get_path("scripts")
     if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), scripts]).strip(os.pathsep)
-    build = default_cache_dir() / "kernels" / f"int4_vnni-torch{torch.__version__.split('+')[0]}"
+    # one build folder per checkout (the build file names the source's path: checkouts sharing a folder would
+    # rebuild each other's) and torch version; torch rebuilds in place when the source changes
+    where = hashlib.sha256(str(SOURCE.resolve()).encode()).hexdigest()[:12]
+    build = default_cache_dir() / "kernels" / f"int4_vnni-torch{torch.__version__.split('+')[0]}-{where}"
     build.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
     load("selfspec_int4_vnni", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],

@@ -135,16 +135,16 @@ def _kernels(fp: dict, method: str) -> str:
     :mod:`selfspec.engine.attention` (runs before it recorded none: SDPA); ``+ int4-vnni draft`` where its draft's
     int4 products ran on :mod:`selfspec.draft.vnni`."""
     decode = (fp.get("decode") or {}).get(method, {})
-    attn = " + decode attn" if decode.get("attention") == "decode" else ""
+    extra = " + decode attn" if decode.get("attention") == "decode" else ""
     info = (fp.get("method_info") or {}).get(method) or {}
     if "kernels" in info:
-        return info["kernels"] + attn
+        return info["kernels"] + extra
     if info.get("draft_kernel"):
-        attn += f" + {info['draft_kernel']} draft"
+        extra += f" + {info['draft_kernel']} draft"
     if method.startswith("hf_"):
         return "stock"  # runs before the packed variants existed
     packed = decode.get("packed_weights")
-    return (f"packed {packed}" if packed in ("fp16", "fp32") else "packed" if packed else "stock") + attn
+    return (f"packed {packed}" if packed in ("fp16", "fp32") else "packed" if packed else "stock") + extra
 
 
 def _speedup(r: dict) -> str:

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 namespace {
 
@@ -126,6 +127,17 @@ void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, 
   }
 }
 
+// Calls f with the row count 1..4 as a compile-time constant (the kernels keep one accumulator per row in registers).
+template <typename F>
+void by_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{});
+  }
+}
+
 }  // namespace
 
 torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz, int64_t G) {
@@ -149,21 +161,11 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   at::BFloat16* Y = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      if (G == 32) {
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 4: rows_block_g32<4>(W, SZ, XQ, XS, XG, Y, K, N, m0, n0, n1); break;
-          case 3: rows_block_g32<3>(W, SZ, XQ, XS, XG, Y, K, N, m0, n0, n1); break;
-          case 2: rows_block_g32<2>(W, SZ, XQ, XS, XG, Y, K, N, m0, n0, n1); break;
-          default: rows_block_g32<1>(W, SZ, XQ, XS, XG, Y, K, N, m0, n0, n1);
-        }
-        continue;
-      }
-      switch (std::min<int64_t>(4, M - m0)) {
-        case 4: rows_block<4>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1); break;
-        case 3: rows_block<3>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1); break;
-        case 2: rows_block<2>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1); break;
-        default: rows_block<1>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1);
-      }
+      by_rows(std::min<int64_t>(4, M - m0), [&](auto rows) {
+        constexpr int MB = decltype(rows)::value;
+        if (G == 32) rows_block_g32<MB>(W, SZ, XQ, XS, XG, Y, K, N, m0, n0, n1);
+        else rows_block<MB>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1);
+      });
     }
   });
   return y;
