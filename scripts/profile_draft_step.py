@@ -1,13 +1,15 @@
 """Where one draft step's time goes: the operators of a full-depth int4 draft step, by torch.profiler.
 
-    python scripts/profile_draft_step.py [--model qwen2.5-coder-1.5b] [--keys 300] [--steps 10]
+    python scripts/profile_draft_step.py [--model qwen2.5-coder-1.5b] [--keys 300] [--steps 10] [--k 3]
 
-A one-row draft step through the draft's low-precision copies (int4 g128 kept weights, full int4 head, no sublayer
+One-row draft steps through the draft's low-precision copies (int4 g128 kept weights, full int4 head, no sublayer
 skipped: the searched 1.5B draft's kind) after a prefill of ``--keys`` tokens, on the packed weights and the decode
-attention, as decoding runs it. Prints the median wall time of a step (unprofiled), then the profiler's operator
-self-time table over ``--steps`` steps, and appends one JSON line to --out: the step's wall time, the operators'
-summed self time per step, the int4 products' share, and the rest (what the step spends outside operators: Python,
-module calls, the profiler's own cost).
+attention, as decoding runs them: ``--k`` steps (positions keys .. keys+k-1) inside one ``drafting()`` block, as one
+round's draft. Prints the median wall time of a step (a round's over k, unprofiled), then the profiler's operator
+self-time table over ``--steps`` rounds, and appends one JSON line to --out: the step's wall time, the operators'
+summed self time per step, the int4 products' share, the fused sublayers' (selfspec.draft.fused: one operator per
+kept sublayer, its products included; ``SELFSPEC_FUSED_DRAFT=0`` drafts through the modules instead), and the rest
+(what the step spends outside operators: Python, module calls, the profiler's own cost).
 """
 
 from __future__ import annotations
@@ -30,50 +32,56 @@ from selfspec.engine.stats import Clock
 from selfspec.provenance import git_commit, machine_fingerprint
 
 PRODUCTS = ("selfspec_vnni::int4_mm", "_weight_int4pack_mm_for_cpu")
+FUSED = ("selfspec_vnni::draft_attention", "selfspec_vnni::draft_mlp")  # whole sublayers, products included
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--keys", type=int, default=300)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="draft rounds timed (and profiled)")
+    ap.add_argument("--k", type=int, default=3, help="draft steps a round (one drafting() block)")
     ap.add_argument("--out", default="results/draft_step_profile.jsonl")
     args = ap.parse_args()
     model = load_model(args.model).model
     draft = DraftPath(model, SkipPlan(model.config.num_hidden_layers),
                       DraftOptions(weights="int4", group_size=128, head_weights="int4"))
     ctx = torch.arange(1000, 1000 + args.keys)
-    cache = PositionalKVCache(model, max_len=args.keys + 16)
+    cache = PositionalKVCache(model, max_len=args.keys + args.k + 16)
     draft.prepare(ctx)
     clock = Clock()
 
-    def step() -> None:
+    def draft_round() -> None:  # k steps
         with draft.drafting():
-            forward_at(model, cache, ctx[-1:], args.keys, keep=1)
+            for j in range(args.k):
+                forward_at(model, cache, ctx[-1:], args.keys + j, keep=1)
 
     with torch.inference_mode(), packed_weights(model), decode_attention(model, True):
         forward_at(model, cache, ctx, 0, keep=1)
         for _ in range(3):
-            step()
+            draft_round()
         wall = []
         for _ in range(args.steps):
             t0 = clock.now()
-            step()
-            wall.append(clock.now() - t0)
+            draft_round()
+            wall.append((clock.now() - t0) / args.k)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(args.steps):
-                step()
+                draft_round()
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=20))
-    per_step = {e.key: e.self_cpu_time_total / 1e3 / args.steps for e in events}  # ms
+    per_step = {e.key: e.self_cpu_time_total / 1e3 / (args.steps * args.k) for e in events}  # ms
     ops = sum(per_step.values())
     products = sum(v for k, v in per_step.items() if any(p in k for p in PRODUCTS))
+    sublayers = sum(v for k, v in per_step.items() if k in FUSED)
     step_ms = statistics.median(wall) * 1e3
     top = dict(sorted(per_step.items(), key=lambda kv: -kv[1])[:12])
     print(f"step {step_ms:.1f} ms (median, unprofiled); operators {ops:.1f} ms a step (profiled), of which int4 "
-          f"products {products:.1f} ms; kernels: {draft.kernels}")
-    row = {"model": args.model, "keys": args.keys, "steps": args.steps, "kernels": draft.kernels,
+          f"products {products:.1f} ms and fused sublayers {sublayers:.1f} ms ({len(draft.fused)} of them); "
+          f"kernels: {draft.kernels}")
+    row = {"model": args.model, "keys": args.keys, "steps": args.steps, "k": args.k, "kernels": draft.kernels,
            "step_ms": round(step_ms, 2), "operators_ms": round(ops, 2), "int4_products_ms": round(products, 2),
+           "fused_sublayers": len(draft.fused), "fused_sublayers_ms": round(sublayers, 2),
            "top_operators_ms": {k: round(v, 3) for k, v in top.items()},
            "machine": machine_fingerprint(), "git_commit": git_commit()}
     with open(args.out, "a") as f:

@@ -43,12 +43,20 @@ def machine_fingerprint() -> dict:
     """
     import torch
 
-    from selfspec.draft import vnni
     from selfspec.draft.packed import pack_format
 
     return {"cpu": _cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "kernels": pack_format() or "stock",
-            "int4_kernel": "int4-vnni" if vnni.available() else f"int4 ({vnni.unavailable_reason()})",
+            "int4_kernel": _int4_kernel(),
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _int4_kernel() -> str:
+    """Which int4 draft kernel runs here, and whether kept sublayers run fused (either changes a draft's cost)."""
+    from selfspec.draft import fused, vnni
+
+    if not vnni.available():
+        return f"int4 ({vnni.unavailable_reason()})"
+    return "int4-vnni, fused sublayers" if fused.enabled() else "int4-vnni"
 
 
 def provenance(extra: dict | None = None) -> dict:

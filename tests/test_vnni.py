@@ -8,6 +8,7 @@ from selfspec.assets.tiny import tiny_model
 from selfspec.draft import vnni
 from selfspec.draft.lowbit import LowPrecisionLinear, int4_kernel, quantize, quantized_mm
 from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.draft.wrap import wrap_descendants
 from tests.conftest import PROMPT
 
 needs_vnni = pytest.mark.skipif(not vnni.available(), reason=f"VNNI int4 kernel: {vnni.unavailable_reason()}")
@@ -96,3 +97,83 @@ def test_greedy_drafts_through_the_vnni_kernel_stay_exact(arch):
     sp = self_speculative(model, PROMPT + PROMPT, plan, cfg, draft=path)
     assert sp.tokens == ar.tokens
     assert sp.stats.accepted > 0  # the drafts are the model's own, rounded: most are right
+
+
+def _kernels_for(weights: str) -> str:
+    return "int8" if weights == "int8" else "int4-vnni"
+
+
+@pytest.mark.parametrize("weights", ["int8", pytest.param("int4", marks=needs_vnni)])
+def test_siblings_share_one_product_with_the_numbers_they_had_alone(weights, monkeypatch):
+    """q/k/v (with biases) and gate/up stack their copies: one product per input, each sibling's output equal
+    to what it computes alone, the copies views of the stacked one (no extra memory)."""
+    from selfspec.draft import fused, lowbit
+
+    monkeypatch.setenv(fused.ENV, "0")  # the modules' path: fused sublayers call the products inside one operator
+    model = tiny_model("qwen2", dtype=torch.bfloat16, vocab_size=128, hidden_size=128, intermediate_size=256)
+    plan = SkipPlan(model.config.num_hidden_layers)
+    alone = tiny_model("qwen2", dtype=torch.bfloat16, vocab_size=128, hidden_size=128, intermediate_size=256)
+    opts = DraftOptions(weights=weights, group_size=128)
+    path = DraftPath(model, plan, opts)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.shared is attn.k_proj.shared is attn.v_proj.shared is not None
+    assert model.model.layers[0].mlp.gate_proj.shared.members[1] is model.model.layers[0].mlp.up_proj
+    assert model.model.layers[0].mlp.down_proj.shared is None and attn.o_proj.shared is None
+    key = attn.q_proj.key
+    assert key in attn.q_proj.shared.stacked and attn.q_proj.kernel == _kernels_for(weights)
+    stacked = attn.q_proj.shared.stacked[key][2]
+    assert attn.k_proj.qweight.data_ptr() == stacked[attn.k_proj.rows].data_ptr()  # a view, not a copy
+    assert attn.q_proj.bias is not None  # Qwen2's q/k/v carry biases: stacked too
+
+    calls = []
+    mm = lowbit.quantized_mm
+    monkeypatch.setattr(lowbit, "quantized_mm", lambda *a: calls.append(a[0].shape) or mm(*a))
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad(), path.drafting():
+        got = model(ids).logits
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 4 * layers  # q/k/v, o, gate/up, down: not 7 per layer
+    # the same weights through wrappers that never stacked: each linear its own product
+    single = wrap_descendants(alone.model.layers, LowPrecisionLinear,
+                              match=lambda m: isinstance(m, torch.nn.Linear),
+                              make=lambda m: LowPrecisionLinear(m, weights, 128))
+    for lin in single:
+        lin.active = True
+    with torch.no_grad():
+        ref = alone(ids).logits
+    assert all(lin.shared is None for lin in single)
+    assert torch.equal(got, ref)
+
+
+def test_a_shared_input_changed_in_place_is_computed_again():
+    from selfspec.draft.lowbit import SharedInput
+
+    a, b = (LowPrecisionLinear(torch.nn.Linear(64, 8, bias=False), "int8", 0) for _ in range(2))
+    shared = SharedInput([a, b])
+    shared.stack(a.key)
+    a.active = b.active = True
+    x = torch.randn(1, 64)
+    ya = a(x)
+    y = shared.y
+    yb = b(x)
+    assert shared.y is y  # b read a's product
+    for lin, out in ((a, ya), (b, yb)):  # each its own rows, as computed alone
+        kernel, q, scale = lin.copy("int8", 0)
+        assert torch.equal(out, quantized_mm(x, kernel, 0, q, scale))
+    x.mul_(2)  # outside inference mode the version counter tells the in-place change
+    yb2 = b(x)
+    assert shared.y is not y
+    kernel, q, scale = b.copy("int8", 0)
+    assert torch.equal(yb2, quantized_mm(x, kernel, 0, q, scale))
+    shared.forget()
+    assert shared.x is None and shared.y is None
+
+
+def test_plain_attributes_are_set_without_module_checks_but_never_over_parameters():
+    from selfspec.draft.wrap import set_plain
+
+    lin = torch.nn.Linear(4, 4)
+    set_plain(lin, active=True)
+    assert lin.active is True
+    with pytest.raises(AttributeError, match="parameter"):
+        set_plain(lin, weight=torch.zeros(4, 4))

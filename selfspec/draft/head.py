@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from selfspec.draft.lowbit import quantize, quantized_mm
+from selfspec.draft.wrap import set_plain
 
 
 class CutHead(nn.Module):
@@ -75,7 +76,8 @@ class CutHead(nn.Module):
     def use(self, choice: tuple) -> None:
         """Score what :meth:`choice` chose (the head is shared by every draft path of the model: each path
         puts its own choice in place when it starts drafting)."""
-        self.ids, self.rows, self.low = choice
+        ids, rows, low = choice
+        set_plain(self, ids=ids, rows=rows, low=low)
 
     def choose(self, ids: torch.Tensor, low: tuple | None = None) -> None:
         self.use(self.choice(ids, low))

@@ -45,10 +45,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from selfspec.draft import fused
 from selfspec.draft.head import CutHead
 from selfspec.draft.lowbit import LowPrecisionLinear, wrap_linears
 from selfspec.draft.plan import SkipPlan
 from selfspec.draft.skip import layer_skipper
+from selfspec.draft.wrap import set_plain
 from selfspec.errors import SelfSpecError
 
 WEIGHTS = ("model", "int8", "int4")
@@ -164,12 +166,18 @@ class DraftPath:
         plan.check_model(self.skipper.num_layers)
         self.linears: list[LowPrecisionLinear] = []
         _check_low_precision(model, options)
+        self.fused: list[tuple[nn.Module, object]] = []  # (kept sublayer's wrapper, its one-call form)
         if options.weights != "model":
-            skipped = [(self.skipper.attn, set(plan.attn)), (self.skipper.mlp, set(plan.mlp))]
-            for subs, off in skipped:
+            key = (options.weights, 0 if options.weights == "int8" else options.group_size)
+            kept = [(self.skipper.attn, set(plan.attn), fused.attention_for),
+                    (self.skipper.mlp, set(plan.mlp), fused.mlp_for)]
+            for subs, off, fuse in kept:
                 for i, sub in enumerate(subs):
                     if i not in off:
                         self.linears += wrap_linears(sub.inner, options.weights, options.group_size)
+                        fast = fuse(model, sub.inner, key)
+                        if fast is not None:
+                            self.fused.append((sub, fast))
         self.head: CutHead | None = None
         self.base_ids: torch.Tensor | None = None
         self.head_low: tuple | None = None  # the quantized copy of the head's base rows (head_weights)
@@ -234,15 +242,21 @@ class DraftPath:
             try:
                 for lin in self.linears:
                     lin.configure(self.options.weights, self.options.group_size)
-                    lin.active = True
+                    set_plain(lin, active=True)
+                for sub, fast in self.fused:
+                    set_plain(sub, fast=fast)
                 if self.head is not None:
                     if self.head_choice is None:  # no request prepared yet: the base ids alone
                         self.choose_head(self.base_ids)
                     self.head.use(self.head_choice)
-                    self.head.active = True
+                    set_plain(self.head, active=True)
                 yield
             finally:
                 for lin in self.linears:
-                    lin.active = False
+                    set_plain(lin, active=False)
+                    if lin.shared is not None:
+                        lin.shared.forget()
+                for sub, _ in self.fused:
+                    set_plain(sub, fast=None)
                 if self.head is not None:
-                    self.head.active = False
+                    set_plain(self.head, active=False)

@@ -20,7 +20,7 @@ from torch import nn
 
 from selfspec.draft.arch import Arch, arch_of
 from selfspec.draft.plan import SkipPlan
-from selfspec.draft.wrap import instance_state, wrap_attr
+from selfspec.draft.wrap import instance_state, set_plain, wrap_attr
 
 
 class SkippableSublayer(nn.Module):
@@ -35,9 +35,16 @@ class SkippableSublayer(nn.Module):
         self.inner = inner
         self.returns_tuple = returns_tuple
         self.skip = False
+        # while drafting, a callable that computes the sublayer in one call (selfspec.draft.fused), None to run
+        # the module; it may return None for a forward it does not cover
+        self.fast = None
 
     def forward(self, *args, **kwargs):
         if not self.skip:
+            if self.fast is not None:
+                out = self.fast(*args, **kwargs)
+                if out is not None:
+                    return out
             return self.inner(*args, **kwargs)
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         zeros = x.new_zeros(x.shape)
@@ -78,13 +85,13 @@ class LayerSkipper:
         self.active = plan
         try:
             for i in plan.attn:
-                self.attn[i].skip = True
+                set_plain(self.attn[i], skip=True)
             for i in plan.mlp:
-                self.mlp[i].skip = True
+                set_plain(self.mlp[i], skip=True)
             yield
         finally:
             for sub in self.attn + self.mlp:
-                sub.skip = False
+                set_plain(sub, skip=False)
             self.active = None
 
     def remove(self) -> None:

@@ -43,15 +43,17 @@ def cache_kwargs(model, cache: Cache) -> dict:
 
 
 class _Window:
-    """The slots the next forward writes, ``start .. end-1``, and the keys it attends over, ``0 .. keys-1``
-    (``end``, or the whole cache with fixed keys)."""
+    """The slots the next forward writes, ``start .. end-1``, the keys it attends over, ``0 .. keys-1``
+    (``end``, or the whole cache with fixed keys), and whether its rows attend causally (row i to slots
+    ``0 .. start+i``: every forward but one with its own mask and positions, a draft tree's verify)."""
 
-    __slots__ = ("start", "end", "keys")
+    __slots__ = ("start", "end", "keys", "causal")
 
     def __init__(self) -> None:
         self.start = 0
         self.end = 0
         self.keys = 0
+        self.causal = True
 
 
 class _PositionalLayer(CacheLayerMixin):
@@ -129,8 +131,9 @@ class PositionalKVCache(Cache):
     def max_len(self) -> int:
         return self._max_len
 
-    def seek(self, start: int, length: int) -> None:
-        """Let the next forward write ``length`` tokens at absolute positions ``start..``."""
+    def seek(self, start: int, length: int, causal: bool = True) -> None:
+        """Let the next forward write ``length`` tokens at absolute positions ``start..``; ``causal``: its rows
+        attend causally over the slots (false for a forward with its own mask)."""
         end = start + length
         if start < 0 or length < 1 or end > self._max_len:
             raise SelfSpecError(
@@ -139,6 +142,7 @@ class PositionalKVCache(Cache):
         self.window.start = start
         self.window.end = end
         self.window.keys = self._max_len if self.fixed_keys else end
+        self.window.causal = causal
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Copy the keys/values of slots ``src`` to slots ``dst`` in every layer (a tree's accepted path).

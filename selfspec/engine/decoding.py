@@ -161,7 +161,7 @@ def forward_at(model, cache: PositionalKVCache, tokens: torch.Tensor, start: int
     if pad > 0:
         tokens = torch.cat([tokens.reshape(-1), tokens.reshape(-1)[-1:].expand(pad)])
     width = n + max(pad, 0)
-    cache.seek(start, width)
+    cache.seek(start, width, causal=position_ids is None and attention_mask is None)
     if position_ids is not None:
         pos = position_ids.reshape(1, n)
     elif positions is None:

@@ -129,10 +129,13 @@ def _self_speculative(lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None,
 
 def _draft_info(options: DraftOptions, path: DraftPath) -> dict | None:
     """What a run records of a draft: its options, and ``draft_kernel`` where it drafts on our VNNI int4 kernel
-    (runs on torch's kernels record none, as before it existed)."""
+    (runs on torch's kernels record none, as before it existed): ``int4-vnni``, or ``fused int4-vnni`` where its
+    kept sublayers run as one call each (:mod:`selfspec.draft.fused`; ``draft_fused``: how many)."""
     info = options.record()
     if "int4-vnni" in path.kernels:
-        info = {**(info or {}), "draft_kernel": "int4-vnni"}
+        info = {**(info or {}), "draft_kernel": "fused int4-vnni" if path.fused else "int4-vnni"}
+        if path.fused:
+            info["draft_fused"] = len(path.fused)
     return info
 
 

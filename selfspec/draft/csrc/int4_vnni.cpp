@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -171,6 +172,136 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   return y;
 }
 
-// A torch operator (torch.ops.selfspec_vnni.int4_mm), so that the profiler and the dispatcher see it like torch's own.
-TORCH_LIBRARY(selfspec_vnni, m) { m.def("int4_mm(Tensor x, Tensor w, Tensor sz, int group_size) -> Tensor"); }
-TORCH_LIBRARY_IMPL(selfspec_vnni, CPU, m) { m.impl("int4_mm", &int4_mm); }
+namespace {
+
+// 16 bf16 values as fp32 (bf16 -> fp32 is a shift of 16 bits)
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline float dot(const at::BFloat16* a, const float* b, int64_t n) {  // n % 16 == 0
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(load16(a + i), _mm512_loadu_ps(b + i), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+}  // namespace
+
+// One draft step's attention sublayer of a Llama/Qwen2 layer, after its input norm (selfspec/draft/fused.py):
+// q/k/v through one stacked int4 product (plus their biases), the rotary embedding (cos/sin [R, D] of the rows'
+// positions, rotate-half form), the rows' keys/values written to cache slots start .. start+R-1 of kc/vc
+// [KVH, L, D], causal attention of row i over slots 0 .. start+i (scores and softmax in fp32, GQA by head groups),
+// then o_proj's int4 product. h [R, E] bf16 -> [R, E'] bf16.
+torch::Tensor draft_attention(const torch::Tensor& h, const torch::Tensor& qkv_w, const torch::Tensor& qkv_sz,
+                              const c10::optional<torch::Tensor>& qkv_bias, const torch::Tensor& o_w,
+                              const torch::Tensor& o_sz, int64_t G, const torch::Tensor& cos, const torch::Tensor& sin,
+                              torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t heads, int64_t kv_heads,
+                              double scale) {
+  const int64_t R = h.size(0), D = kc.size(2), L = kc.size(1);
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kBFloat16 &&
+              vc.sizes() == kc.sizes() && kc.size(0) == kv_heads, "kc, vc: contiguous bf16 [KVH, L, D]");
+  TORCH_CHECK(D % 32 == 0 && heads % kv_heads == 0 && start >= 0 && start + R <= L, "head dim % 32, heads, slots");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kBFloat16 &&
+              cos.size(0) == R && cos.size(1) == D, "cos, sin: contiguous bf16 [R, D]");
+  torch::Tensor qkv = int4_mm(h, qkv_w, qkv_sz, G);  // [R, (H + 2 KVH) D]
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * D, "qkv rows: (heads + 2 kv_heads) * head_dim");
+  const int64_t width = qkv.size(1), half = D / 2, group = heads / kv_heads, keys = start + R;
+  // rows' q (fp32, rotated) and k/v (rotated k) in bf16 into the cache
+  std::vector<float> q(R * heads * D);
+  const at::BFloat16* bias = qkv_bias.has_value() ? qkv_bias->data_ptr<at::BFloat16>() : nullptr;
+  const at::BFloat16* C = cos.data_ptr<at::BFloat16>();
+  const at::BFloat16* S = sin.data_ptr<at::BFloat16>();
+  at::BFloat16* Q = qkv.data_ptr<at::BFloat16>();
+  at::BFloat16* KC = kc.data_ptr<at::BFloat16>();
+  at::BFloat16* VC = vc.data_ptr<at::BFloat16>();
+  std::vector<float> v(D);
+  for (int64_t r = 0; r < R; ++r) {
+    at::BFloat16* row = Q + r * width;
+    for (int64_t j = 0; j < width; ++j) {  // the projections' bias, rounded as nn.Linear's output is
+      if (bias) row[j] = at::BFloat16(static_cast<float>(row[j]) + static_cast<float>(bias[j]));
+    }
+    const at::BFloat16* c = C + r * D;
+    const at::BFloat16* s = S + r * D;
+    for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
+      const at::BFloat16* x = row + hd * D;
+      for (int64_t i = 0; i < D; ++i) {  // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
+        const float rot = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+        v[i] = static_cast<float>(x[i]) * static_cast<float>(c[i]) + rot * static_cast<float>(s[i]);
+      }
+      if (hd < heads) {
+        std::copy(v.begin(), v.end(), q.begin() + (r * heads + hd) * D);
+      } else {
+        at::BFloat16* dst = KC + ((hd - heads) * L + start + r) * D;
+        for (int64_t i = 0; i < D; ++i) dst[i] = at::BFloat16(v[i]);
+      }
+    }
+    for (int64_t j = 0; j < kv_heads; ++j) {
+      const at::BFloat16* x = row + (heads + kv_heads + j) * D;
+      std::copy(x, x + D, VC + (j * L + start + r) * D);
+    }
+  }
+  auto out = torch::empty({R, heads * D}, torch::kBFloat16);
+  at::BFloat16* O = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, R * heads, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> p(keys), acc(D);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r = b / heads, hd = b % heads, j = hd / group, n = start + r + 1;
+      const float* qr = q.data() + (r * heads + hd) * D;
+      const at::BFloat16* K = KC + j * L * D;
+      const at::BFloat16* V = VC + j * L * D;
+      float top = -INFINITY;
+      for (int64_t t = 0; t < n; ++t) {
+        p[t] = dot(K + t * D, qr, D) * static_cast<float>(scale);
+        top = std::max(top, p[t]);
+      }
+      float total = 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        p[t] = std::exp(p[t] - top);
+        total += p[t];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 w = _mm512_set1_ps(p[t] / total);
+        for (int64_t i = 0; i < D; i += 16)
+          _mm512_storeu_ps(acc.data() + i, _mm512_fmadd_ps(load16(V + t * D + i), w, _mm512_loadu_ps(acc.data() + i)));
+      }
+      for (int64_t i = 0; i < D; ++i) O[(r * heads + hd) * D + i] = at::BFloat16(acc[i]);
+    }
+  });
+  return int4_mm(out, o_w, o_sz, G);
+}
+
+// One draft step's MLP sublayer of a Llama/Qwen2 layer (SiLU), after its norm: gate/up through one stacked int4
+// product ([R, 2I]: gate rows, then up rows), silu(gate) * up rounded to bf16 as the module rounds each, then down.
+torch::Tensor draft_mlp(const torch::Tensor& h, const torch::Tensor& gu_w, const torch::Tensor& gu_sz,
+                        const torch::Tensor& down_w, const torch::Tensor& down_sz, int64_t G) {
+  torch::Tensor gu = int4_mm(h, gu_w, gu_sz, G);
+  const int64_t R = gu.size(0), I = gu.size(1) / 2;
+  auto act = torch::empty({R, I}, torch::kBFloat16);
+  const at::BFloat16* X = gu.data_ptr<at::BFloat16>();
+  at::BFloat16* A = act.data_ptr<at::BFloat16>();
+  at::parallel_for(0, R * I, 1024, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r = b / I, i = b % I;
+      const float g = static_cast<float>(X[r * 2 * I + i]);
+      const float silu = static_cast<float>(at::BFloat16(g / (1.f + std::exp(-g))));
+      A[b] = at::BFloat16(silu * static_cast<float>(X[r * 2 * I + I + i]));
+    }
+  });
+  return int4_mm(act, down_w, down_sz, G);
+}
+
+// Torch operators (torch.ops.selfspec_vnni.*), so that the profiler and the dispatcher see them like torch's own.
+TORCH_LIBRARY(selfspec_vnni, m) {
+  m.def("int4_mm(Tensor x, Tensor w, Tensor sz, int group_size) -> Tensor");
+  m.def("draft_attention(Tensor h, Tensor qkv_w, Tensor qkv_sz, Tensor? qkv_bias, Tensor o_w, Tensor o_sz, "
+        "int group_size, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, int start, int heads, int kv_heads, "
+        "float scale) -> Tensor");
+  m.def("draft_mlp(Tensor h, Tensor gu_w, Tensor gu_sz, Tensor down_w, Tensor down_sz, int group_size) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(selfspec_vnni, CPU, m) {
+  m.impl("int4_mm", &int4_mm);
+  m.impl("draft_attention", &draft_attention);
+  m.impl("draft_mlp", &draft_mlp);
+}

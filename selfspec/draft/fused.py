@@ -1,0 +1,147 @@
+"""A draft step's sublayers in one C++ call each (``csrc/int4_vnni.cpp``: ``draft_attention``, ``draft_mlp``).
+
+A 1.5B int4 draft step spends ~27 ms reading its weights and ~20 ms on everything else: hundreds of small operators
+(the rotary embedding, casts, the attention's products over the cache, bias and activation) and the Python around
+them (``scripts/profile_draft_step.py``, results/PERF.md). Here a kept attention sublayer of a Llama or Qwen2
+layer runs as one call while drafting: q/k/v through their stacked int4 copy, the rotary embedding, the keys/values
+written into the :class:`~selfspec.engine.cache.PositionalKVCache` slots of the step, causal attention over the
+slots before them, o_proj; a kept MLP sublayer likewise (gate/up stacked, SiLU, down). The norms, residuals and
+the head stay the model's own modules.
+
+It runs where the draft's copies of the sublayer all run on the VNNI int4 kernel (:mod:`selfspec.draft.vnni`) and
+the sublayer is one this code computes: a Llama/Qwen2 attention without a sliding window, a head dimension a
+multiple of 32 and no o_proj bias; a SiLU MLP without biases. Anywhere else, and for any forward that is not a
+draft step on the positional cache, the module runs as loaded. The numbers differ from the module's path only by
+rounding (fp32 inside the call where the module rounds to bf16 between operators; tested against it); drafts are
+proposals, so verification and the output are untouched. ``SELFSPEC_FUSED_DRAFT=0`` turns it off.
+
+Each call is switched on by :meth:`selfspec.draft.path.DraftPath.drafting` through the sublayer's
+:class:`~selfspec.draft.skip.SkippableSublayer` (its ``fast`` attribute); no transformers module is changed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from selfspec.draft import vnni
+from selfspec.draft.lowbit import LowPrecisionLinear
+
+ENV = "SELFSPEC_FUSED_DRAFT"  # 0: draft through the modules
+ARCHS = ("llama", "qwen2")  # decoder layers whose attention and MLP this code computes (tests/test_fused.py)
+
+
+def enabled() -> bool:
+    """Whether fused draft sublayers may run here: the VNNI kernel runs and the environment does not say 0."""
+    return os.environ.get(ENV, "1") != "0" and vnni.available()
+
+
+def _stacked(lins: list, key: tuple[str, int]) -> tuple | None:
+    """The siblings' stacked int4-vnni copy in format ``key`` (:class:`~selfspec.draft.lowbit.SharedInput`)."""
+    if not all(isinstance(lin, LowPrecisionLinear) for lin in lins):
+        return None
+    shared = lins[0].shared
+    if shared is None or shared.members != lins or key not in shared.stacked:
+        return None
+    stacked = shared.stacked[key]
+    return stacked if stacked[0] == "int4-vnni" else None
+
+
+def _single(lin, key: tuple[str, int]) -> tuple | None:
+    if not isinstance(lin, LowPrecisionLinear) or lin.inner.bias is not None or key not in lin.copies:
+        return None
+    kernel, qweight, qscale = lin.copies[key]
+    return (qweight, qscale) if kernel == "int4-vnni" else None
+
+
+def _window(cache, layer: int, rows: int):
+    """The cache's keys/values ``[kv_heads, L, D]`` of ``layer`` and the first slot written, for a causal forward
+    of ``rows`` rows on a :class:`~selfspec.engine.cache.PositionalKVCache` of one sequence; None for anything else
+    (another cache, a forward with its own mask such as the search's teacher-forced chunks)."""
+    from selfspec.engine.cache import PositionalKVCache  # here: the engine imports the draft
+
+    if not isinstance(cache, PositionalKVCache):
+        return None
+    window = cache.window
+    if not window.causal or window.end - window.start != rows:
+        return None
+    lay = cache.layers[layer]
+    if lay.keys.shape[0] != 1:
+        return None
+    return lay.keys[0], lay.values[0], window.start
+
+
+class FusedAttention:
+    """A kept Llama/Qwen2 attention sublayer as one call (:func:`attention_for` builds it)."""
+
+    def __init__(self, attn: nn.Module, key: tuple[str, int], qkv: tuple, o: tuple) -> None:
+        cfg = attn.config
+        self.layer = attn.layer_idx
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.scale = float(attn.scaling)
+        self.group = key[1]
+        _, _, self.qkv_w, self.qkv_sz, self.qkv_bias = qkv
+        self.o_w, self.o_sz = o
+
+    def __call__(self, *args, **kwargs):
+        h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        emb = kwargs.get("position_embeddings")
+        if h.shape[0] != 1 or emb is None or kwargs.get("output_attentions"):
+            return None
+        place = _window(cache, self.layer, h.shape[1])
+        if place is None:
+            return None
+        kc, vc, start = place
+        cos, sin = emb
+        out = torch.ops.selfspec_vnni.draft_attention(
+            h[0].contiguous(), self.qkv_w, self.qkv_sz, self.qkv_bias, self.o_w, self.o_sz, self.group,
+            cos[0].contiguous(), sin[0].contiguous(), kc, vc, start, self.heads, self.kv_heads, self.scale)
+        return out[None], None
+
+
+class FusedMLP:
+    """A kept SiLU MLP sublayer as one call (:func:`mlp_for` builds it)."""
+
+    def __init__(self, key: tuple[str, int], gate_up: tuple, down: tuple) -> None:
+        self.group = key[1]
+        _, _, self.gu_w, self.gu_sz, _ = gate_up
+        self.down_w, self.down_sz = down
+
+    def __call__(self, *args, **kwargs):
+        h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        shape = h.shape
+        out = torch.ops.selfspec_vnni.draft_mlp(h.reshape(-1, shape[-1]).contiguous(), self.gu_w, self.gu_sz,
+                                                self.down_w, self.down_sz, self.group)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def attention_for(model: nn.Module, attn: nn.Module, key: tuple[str, int]) -> FusedAttention | None:
+    """The fused form of ``attn`` (the module inside its skip wrapper) for draft copies in format ``key``, or None
+    where it does not apply."""
+    cfg = model.config
+    if not enabled() or cfg.model_type not in ARCHS or getattr(attn, "sliding_window", None) is not None:
+        return None
+    head_dim = getattr(attn, "head_dim", 0)
+    if head_dim % 32 or not hasattr(attn, "layer_idx") or not hasattr(attn, "scaling"):
+        return None
+    qkv = _stacked([getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")], key)
+    o = _single(getattr(attn, "o_proj", None), key)
+    if qkv is None or o is None:
+        return None
+    return FusedAttention(attn, key, qkv, o)
+
+
+def mlp_for(model: nn.Module, mlp: nn.Module, key: tuple[str, int]) -> FusedMLP | None:
+    """The fused form of ``mlp`` for draft copies in format ``key``, or None where it does not apply."""
+    cfg = model.config
+    if not enabled() or cfg.model_type not in ARCHS or getattr(cfg, "hidden_act", None) != "silu":
+        return None
+    gate_up = _stacked([getattr(mlp, n, None) for n in ("gate_proj", "up_proj")], key)
+    down = _single(getattr(mlp, "down_proj", None), key)
+    if gate_up is None or down is None or gate_up[4] is not None:
+        return None
+    return FusedMLP(key, gate_up, down)
