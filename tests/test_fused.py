@@ -95,5 +95,8 @@ def test_fused_sublayers_apply_only_where_the_code_computes_them(monkeypatch):
     qwen = _model("qwen2")
     plan = SkipPlan(qwen.config.num_hidden_layers)
     assert DraftPath(qwen, plan, DraftOptions(weights="int8")).fused == []  # int8 copies: the modules
+    off = DraftOptions(weights="int4", group_size=128, fused=False)  # a run's variant that measures what it adds
+    assert DraftPath(qwen, plan, off).fused == [] and off.record()["fused"] is False
+    assert "fused" not in OPTIONS.record()  # the default, unrecorded: runs of before resume
     monkeypatch.setenv(fused.ENV, "0")
     assert DraftPath(_model("qwen2"), plan, OPTIONS).fused == []

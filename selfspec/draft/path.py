@@ -80,6 +80,9 @@ class DraftOptions:
     # False: copy drafting only (prompt lookup's rule): a round with no copy match takes a plain step instead of
     # drafting with the model, so the skip plan, draft weights and head are unused (needs ngram)
     model_draft: bool = True
+    # kept Llama/Qwen2 sublayers whose int4 copies run on the VNNI kernel draft as one C++ call each
+    # (selfspec.draft.fused; the same numbers up to rounding); False: through the modules, e.g. to measure what it adds
+    fused: bool = True
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
@@ -99,8 +102,9 @@ class DraftOptions:
         if self.copy_fallback and not 0 < self.copy_fallback < shortest:
             raise SelfSpecError(f"copy_fallback must be between 1 and {shortest - 1} (below the shortest match "
                                 f"copied: ngram={self.ngram}, min_ngram={self.min_ngram}), got {self.copy_fallback}")
-        if not isinstance(self.model_draft, bool):
-            raise SelfSpecError(f"model_draft must be true or false, got {self.model_draft!r}")
+        for name in ("model_draft", "fused"):
+            if not isinstance(getattr(self, name), bool):
+                raise SelfSpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not self.model_draft and not self.ngram:
             raise SelfSpecError("model_draft=false drafts by copying only: it needs copy drafting (ngram >= 1)")
         if "int4" in (self.weights, self.head_weights) and self.group_size not in (32, 64, 128, 256):
@@ -118,8 +122,8 @@ class DraftOptions:
     def record(self) -> dict | None:
         """The options as a run records them (None for the plan-only draft).
 
-        ``copy_tokens``, ``min_ngram``, ``copy_per_match``, ``copy_fallback``, ``head_weights``, ``model_draft`` and
-        the tree options appear only when set, so runs recorded before they existed still resume.
+        ``copy_tokens``, ``min_ngram``, ``copy_per_match``, ``copy_fallback``, ``head_weights``, ``model_draft``,
+        ``fused`` and the tree options appear only when set, so runs recorded before they existed still resume.
         """
         if self.plain and not self.ngram and not self.tree:
             return None
@@ -136,6 +140,8 @@ class DraftOptions:
             del rec["copy_fallback"]
         if self.model_draft:
             del rec["model_draft"]
+        if self.fused:
+            del rec["fused"]
         if not self.tree:
             for name in ("copy_candidates", "branch_below", "tree_nodes"):
                 del rec[name]
@@ -175,7 +181,7 @@ class DraftPath:
                 for i, sub in enumerate(subs):
                     if i not in off:
                         self.linears += wrap_linears(sub.inner, options.weights, options.group_size)
-                        fast = fuse(model, sub.inner, key)
+                        fast = fuse(model, sub.inner, key) if options.fused else None
                         if fast is not None:
                             self.fused.append((sub, fast))
         self.head: CutHead | None = None
