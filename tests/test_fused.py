@@ -86,6 +86,9 @@ def test_fused_calls_run_only_on_causal_draft_forwards_of_the_positional_cache()
         cache.seek(5, 1, causal=False)  # a forward with its own mask (a tree's verify, the search's chunks)
         assert attn.fast(hidden_states=h, position_embeddings=emb, attention_mask=None, cache=cache) is None
         assert attn.fast(hidden_states=h, position_embeddings=emb, attention_mask=None, cache=None) is None
+        cache.seek(5, 1)
+        assert attn.fast(hidden_states=h.float(), position_embeddings=emb, attention_mask=None, cache=cache) is None
+        assert model.model.layers[0].mlp.fast(h.float()) is None  # the operators take bf16 only
     assert attn.fast is None  # outside drafting the module runs
 
 

@@ -90,13 +90,15 @@ class FusedAttention:
         h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         emb = kwargs.get("position_embeddings")
-        if h.shape[0] != 1 or emb is None or kwargs.get("output_attentions"):
+        if h.shape[0] != 1 or h.dtype != torch.bfloat16 or emb is None or kwargs.get("output_attentions"):
             return None
         place = _window(cache, self.layer, h.shape[1])
         if place is None:
             return None
         kc, vc, start = place
         cos, sin = emb
+        if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:  # the operator takes the model's bf16
+            return None
         out = torch.ops.selfspec_vnni.draft_attention(
             h[0].contiguous(), self.qkv_w, self.qkv_sz, self.qkv_bias, self.o_w, self.o_sz, self.group,
             cos[0].contiguous(), sin[0].contiguous(), kc, vc, start, self.heads, self.kv_heads, self.scale)
@@ -113,6 +115,8 @@ class FusedMLP:
 
     def __call__(self, *args, **kwargs):
         h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        if h.dtype != torch.bfloat16:
+            return None
         shape = h.shape
         out = torch.ops.selfspec_vnni.draft_mlp(h.reshape(-1, shape[-1]).contiguous(), self.gu_w, self.gu_sz,
                                                 self.down_w, self.down_sz, self.group)
@@ -130,8 +134,8 @@ def attention_for(model: nn.Module, attn: nn.Module, key: tuple[str, int]) -> Fu
         return None
     qkv = _stacked([getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")], key)
     o = _single(getattr(attn, "o_proj", None), key)
-    if qkv is None or o is None:
-        return None
+    if qkv is None or o is None or (qkv[4] is not None and qkv[4].dtype != torch.bfloat16):
+        return None  # the operator reads the biases as bf16, as the weights of an int4-vnni copy are
     return FusedAttention(attn, key, qkv, o)
 
 
