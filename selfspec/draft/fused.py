@@ -130,7 +130,7 @@ def attention_for(model: nn.Module, attn: nn.Module, key: tuple[str, int]) -> Fu
     if not enabled() or cfg.model_type not in ARCHS or getattr(attn, "sliding_window", None) is not None:
         return None
     head_dim = getattr(attn, "head_dim", 0)
-    if head_dim % 32 or not hasattr(attn, "layer_idx") or not hasattr(attn, "scaling"):
+    if not head_dim or head_dim % 32 or not hasattr(attn, "layer_idx") or not hasattr(attn, "scaling"):
         return None
     qkv = _stacked([getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")], key)
     o = _single(getattr(attn, "o_proj", None), key)
