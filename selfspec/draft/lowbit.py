@@ -15,8 +15,9 @@ kernel. Each copy carries the name of the kernel it was laid out for (:func:`qua
 
 Linears of one module that read the same input (:data:`SIBLINGS`: an attention's q/k/v, an MLP's gate/up) share
 one copy stacked along the output rows where the kernel allows it (:data:`STACKABLE`), and one product serves them
-all while drafting (:class:`SharedInput`): fewer, wider calls, each of which costs ~10 us besides its weights on
-a 2-core CPU. Each output row is computed as it would be alone, so the draft's numbers do not change.
+all while drafting (:class:`SharedInput`): fewer, wider calls, each of which has a fixed cost besides its weights
+(rounding the activations, allocating, starting the threads). Each output row is computed as it would be alone,
+so the draft's numbers do not change.
 """
 
 from __future__ import annotations
