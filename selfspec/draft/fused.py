@@ -28,6 +28,7 @@ from torch import nn
 
 from selfspec.draft import vnni
 from selfspec.draft.lowbit import LowPrecisionLinear
+from selfspec.engine.cache import PositionalKVCache
 
 ENV = "SELFSPEC_FUSED_DRAFT"  # 0: draft through the modules
 ARCHS = ("llama", "qwen2")  # decoder layers whose attention and MLP this code computes (tests/test_fused.py)
@@ -60,8 +61,6 @@ def _window(cache, layer: int, rows: int):
     """The cache's keys/values ``[kv_heads, L, D]`` of ``layer`` and the first slot written, for a causal forward
     of ``rows`` rows on a :class:`~selfspec.engine.cache.PositionalKVCache` of one sequence; None for anything else
     (another cache, a forward with its own mask such as the search's teacher-forced chunks)."""
-    from selfspec.engine.cache import PositionalKVCache  # here: the engine imports the draft
-
     if not isinstance(cache, PositionalKVCache):
         return None
     window = cache.window

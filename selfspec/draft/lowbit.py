@@ -87,6 +87,11 @@ def quantized_mm(x2: torch.Tensor, kernel: str, group: int, qweight: torch.Tenso
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight, group, qscale)
 
 
+def copy_key(weights: str, group_size: int) -> tuple[str, int]:
+    """The key of a copy in this format (int8 has no groups): :attr:`LowPrecisionLinear.copies`, stacked copies."""
+    return weights, 0 if weights == "int8" else group_size
+
+
 # names of linears of one module that read the same input, by architecture convention (Llama, Qwen2, Gemma3)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 STACKABLE = ("int8", "int4-vnni")  # kernels whose copies stack along the output rows (torch's int4 layout does not)
@@ -112,7 +117,7 @@ class LowPrecisionLinear(LinearWrapper):
     def configure(self, weights: str, group_size: int) -> None:
         """Use the copy in this format, quantizing the weight on first use (a draft round calls this for every
         kept linear: the format in use already costs one comparison)."""
-        key = (weights, 0 if weights == "int8" else group_size)
+        key = copy_key(weights, group_size)
         if key == self.key:
             return
         if key not in self.copies:
@@ -128,7 +133,7 @@ class LowPrecisionLinear(LinearWrapper):
 
     def copy(self, weights: str, group_size: int) -> tuple[str, torch.Tensor, torch.Tensor]:
         """The copy in this format (made by :meth:`configure`): (kernel, packed weight, scales)."""
-        return self.copies[(weights, 0 if weights == "int8" else group_size)]
+        return self.copies[copy_key(weights, group_size)]
 
     def copy_bytes(self, weights: str, group_size: int) -> int:
         """The copy in this format (made by :meth:`configure`)."""
@@ -192,9 +197,8 @@ class SharedInput:
                               for b, m in zip(biases, self.members)])
         for m in self.members:  # the siblings' copies become views of the stacked one
             m.copies[key] = (kernel, qweight[m.rows], qscale[m.rows])
-            if m.key == key:  # put the view in place of the copy in use
-                m.key = None
-                m.configure(*key)
+            if m.key == key:  # the view in place of the copy in use
+                set_plain(m, qweight=qweight[m.rows], qscale=qscale[m.rows])
         self.stacked[key] = (kernel, key[1], qweight, qscale, bias)
 
     def output(self, x: torch.Tensor, key: tuple[str, int]) -> torch.Tensor:

@@ -47,7 +47,7 @@ from torch import nn
 
 from selfspec.draft import fused
 from selfspec.draft.head import CutHead
-from selfspec.draft.lowbit import LowPrecisionLinear, wrap_linears
+from selfspec.draft.lowbit import LowPrecisionLinear, copy_key, wrap_linears
 from selfspec.draft.plan import SkipPlan
 from selfspec.draft.skip import layer_skipper
 from selfspec.draft.wrap import set_plain
@@ -174,7 +174,7 @@ class DraftPath:
         _check_low_precision(model, options)
         self.fused: list[tuple[nn.Module, object]] = []  # (kept sublayer's wrapper, its one-call form)
         if options.weights != "model":
-            key = (options.weights, 0 if options.weights == "int8" else options.group_size)
+            key = copy_key(options.weights, options.group_size)
             kept = [(self.skipper.attn, set(plan.attn), fused.attention_for),
                     (self.skipper.mlp, set(plan.mlp), fused.mlp_for)]
             for subs, off, fuse in kept:
