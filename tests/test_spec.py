@@ -69,6 +69,22 @@ def test_ablation_rows():
     assert leave_one_out["without copy drafting"].options.ngram == 0
 
 
+def test_a_skip_free_draft_is_ablated_against_the_papers_layer_skip_draft():
+    found = DraftSpec(SkipPlan(6), DraftOptions(weights="int4", group_size=128, head_weights="int4", ngram=3,
+                                                copy_tokens=10), k=3)
+    papers = DraftSpec(SkipPlan(6, attn=(2, 4), mlp=(3,)), k=2, adaptive=True, threshold=0.4)
+    rows = dict(cumulative_variants(found, papers))
+    assert list(rows) == ["skip_only", "plus_low_precision", "plus_cut_head", "searched", "searched_papers_skip"]
+    assert rows["skip_only"] == papers and rows["skip_only"].adaptive  # the layer-skip draft as searched
+    assert rows["plus_low_precision"].plan.n_skipped == 0 and rows["plus_low_precision"].options.weights == "int4"
+    both = rows["searched_papers_skip"]
+    assert both.plan.attn == (2, 4) and both.options == found.options and both.k == 3
+    assert dict(cumulative_variants(found))["skip_only"].options == DraftOptions()  # without it: the model itself
+    assert "searched_papers_skip" not in dict(cumulative_variants(FULL, FULL.replace(options=DraftOptions())))
+    with pytest.raises(ValueError, match="different models"):
+        cumulative_variants(found, DraftSpec(SkipPlan(8, attn=(2,)), k=2))
+
+
 def test_shorter_copies_are_a_lever_of_their_own(tmp_path):
     spec = FULL.replace(options=DraftOptions(weights="int4", group_size=128, head_tokens=16384, ngram=3, min_ngram=1,
                                              copy_tokens=10))

@@ -186,13 +186,22 @@ def ablation_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
     return out
 
 
-def cumulative_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
+def cumulative_variants(spec: DraftSpec, papers: DraftSpec | None = None) -> list[tuple[str, DraftSpec]]:
     """The paper-style ablation: the skip plan alone (the layer-skip papers' draft, at the found k), then
     each lever of the found draft added in turn (the adaptive exit last: it makes the searched draft),
-    then the searched draft without skipping. A lever the draft does not use adds no row."""
+    then the searched draft without skipping. A lever the draft does not use adds no row.
+
+    ``papers``: the draft of a pure layer-skip search (model weights, full head, no copies), the papers'
+    method as this search finds it. Its row replaces the skip plan alone, and one more row runs the searched
+    draft's options on its skip plan. A searched draft that skips nothing needs it: its skip plan alone is the
+    model drafting for itself, which saves nothing.
+    """
+    if papers is not None and papers.plan.num_layers != spec.plan.num_layers:
+        raise ValueError(f"the layer-skip draft has {papers.plan.num_layers} layers, the searched one "
+                         f"{spec.plan.num_layers}: they are drafts of different models")
     o = spec.options
     plain = DraftSpec(spec.plan, DraftOptions(), k=spec.k)
-    steps = [("skip_only", plain),
+    steps = [("skip_only", plain if papers is None else papers),
              ("plus_low_precision", plain.replace(options=_options(plain.options, weights=o.weights,
                                                                     group_size=o.group_size))),
              ("plus_cut_head", plain.replace(options=_options(o, **_NO_COPY, copy_candidates=1, branch_below=0.0))),
@@ -206,6 +215,8 @@ def cumulative_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
     out.append(("searched", spec))
     if spec.plan.n_skipped:
         out.append(("searched_no_skip", skip_free(spec)))
+    if papers is not None and (papers.plan.attn, papers.plan.mlp) != (spec.plan.attn, spec.plan.mlp):
+        out.append(("searched_papers_skip", spec.replace(plan=papers.plan)))
     return out
 
 
