@@ -242,7 +242,7 @@ def test_assisted_and_early_exit_take_their_draft_length_for_each_call_only():
     from selfspec.assets.models import load_model
 
     # fp32: assisted decoding verifies several rows per forward, and on an AVX2 CPU bf16 runs on fp16 kernels whose
-    # rounding differs by row count, so a near tie of this flat tiny model could split it from AR (it did once)
+    # rounding differs by row count, so a near tie of this flat tiny model split it from AR (a Zen 3, 2026-11-25)
     lm = load_model("tiny-llama", dtype="float32")
     cfg = DecodeConfig(max_new_tokens=24)
     ids = PROMPT + PROMPT
