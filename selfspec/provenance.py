@@ -56,7 +56,8 @@ def _int4_kernel() -> str:
 
     if not vnni.available():
         return f"int4 ({vnni.unavailable_reason()})"
-    return "int4-vnni, fused sublayers" if fused.enabled() else "int4-vnni"
+    name = "int4-vnni" if vnni.isa() == "avx512-vnni" else f"int4-vnni on {vnni.isa()}"  # AVX-512: as it always read
+    return f"{name}, fused sublayers" if fused.enabled() else name
 
 
 def provenance(extra: dict | None = None) -> dict:

@@ -1,17 +1,19 @@
-"""int4 draft products on AVX-512 VNNI: int4 weights times int8 activations (``csrc/int4_vnni.cpp``).
+"""int4 draft products on AVX-512 VNNI or AVX2: int4 weights times int8 activations (``csrc/int4_vnni.cpp``).
 
 torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) multiplies bf16 activations by int4 weights in
 floating point; for one row it reads about 38 G weights/s on a 2-core Zen 4, where the bandwidth would carry ~60 G
 (int4 is 0.5 byte a weight). llama.cpp's way is faster: round the activations to int8 (one scale per block of 64)
 and sum the products of bytes in integers (``vpdpbusd``, 64 multiply-adds an instruction). This kernel does that
-for the draft's int4 copies. The weights are the same int4 values as torch's kernel's (the same groups, scales and
+for the draft's int4 copies. On a CPU without AVX-512 VNNI but with AVX2 and FMA (a Zen 3, say) the same kernel is
+built for 256-bit vectors, with ``vpmaddubsw`` + ``vpmaddwd`` in place of ``vpdpbusd`` (the same integer sums);
+:func:`isa` says which build runs. The name ``int4-vnni`` stays the kernel's (its layout and its method) on both. The weights are the same int4 values as torch's kernel's (the same groups, scales and
 zero points, in another layout); only the activations are rounded, to 8 bits, which adds ~0.6% relative error to a
 product whose int4 weights are off by several percent already (``scripts/draft_kernels.py`` measures both, and the
 agreement with the full model).
 
 It is compiled on first use with torch's ``cpp_extension`` (g++ and ninja; ~20 s, once per machine and torch
 version) into the selfspec cache (``$SELFSPEC_CACHE/kernels``). :func:`available` says whether it runs here: a
-Linux x86 CPU with AVX-512 F/BW/VL/VNNI and a build that succeeded. Elsewhere, or with
+Linux x86 CPU with AVX-512 F/BW/VL/VNNI, or with AVX2 and FMA, and a build that succeeded. Elsewhere, or with
 ``SELFSPEC_INT4_KERNEL=aten``, int4 drafts run torch's kernel (a failed build says so on stderr, once);
 runs record which (``int4_kernel`` in the machine fingerprint, ``draft_kernel`` in a method's info).
 """
@@ -31,7 +33,10 @@ import torch
 from selfspec.errors import SelfSpecError
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_vnni.cpp"
-FLAGS = ("fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+# the builds, best first: name -> (the CPU flags it needs, the compiler's flags)
+BUILDS = {"avx512-vnni": (("fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+                          ("-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
+          "avx2": (("fma", "avx2"), ("-mfma", "-mavx2"))}
 BLOCK = 128  # inputs per 64 packed bytes
 GROUPS = (32, 64, 128, 256)  # the kernel's int4 group sizes
 ENV = "SELFSPEC_INT4_KERNEL"  # aten: never use this kernel
@@ -47,6 +52,11 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def isa() -> str | None:
+    """Which build of the kernel runs here (a key of :data:`BUILDS`), None where none does."""
+    return _load()[2]
 
 
 def unavailable_reason() -> str | None:
@@ -66,24 +76,27 @@ def fits(in_features: int, group_size: int) -> bool:
 
 @functools.cache
 def _load():
-    """(the kernel's operator namespace, ``torch.ops.selfspec_vnni``, None) or (None, why not); once per process."""
+    """(the kernel's operator namespace ``torch.ops.selfspec_vnni``, None, the build's name) or (None, why not, None);
+    once per process."""
     if os.environ.get(ENV, "").lower() == "aten":
-        return None, f"{ENV}=aten"
+        return None, f"{ENV}=aten", None
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"not an x86-64 CPU ({platform.machine()})"
-    missing = [f for f in FLAGS if f not in cpu_flags()]
-    if missing:
-        return None, f"the CPU lacks {', '.join(missing)}"
+        return None, f"not an x86-64 CPU ({platform.machine()})", None
+    flags = cpu_flags()
+    name = next((name for name, (needs, _) in BUILDS.items() if all(f in flags for f in needs)), None)
+    if name is None:
+        missing = [f for f in BUILDS["avx2"][0] if f not in flags]
+        return None, f"the CPU lacks {', '.join(missing)}", None
     try:
-        module = _build()
+        module = _build(name)
     except Exception as e:  # noqa: BLE001 - a compiler, ninja or header problem: fall back, say why
         reason = f"its build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
         print(f"selfspec: int4 drafts run torch's int4 kernel: the VNNI kernel's {reason}", file=sys.stderr)
-        return None, reason
-    return module, None
+        return None, reason, None
+    return module, None, name
 
 
-def _build():
+def _build(name: str):
     from torch.utils.cpp_extension import load
 
     from selfspec.assets.fetch import default_cache_dir
@@ -95,10 +108,11 @@ def _build():
     # one build folder per checkout (the build file names the source's path: checkouts sharing a folder would
     # rebuild each other's) and torch version; torch rebuilds in place when the source changes
     where = hashlib.sha256(str(SOURCE.resolve()).encode()).hexdigest()[:12]
-    build = default_cache_dir() / "kernels" / f"int4_vnni-torch{torch.__version__.split('+')[0]}-{where}"
+    suffix = "" if name == "avx512-vnni" else f"-{name}"  # the AVX-512 build keeps the folder it had
+    build = default_cache_dir() / "kernels" / f"int4_vnni{suffix}-torch{torch.__version__.split('+')[0]}-{where}"
     build.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
-    load("selfspec_int4_vnni", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    flags = ["-O3", "-fopenmp", *BUILDS[name][1]]
+    load(f"selfspec_int4_vnni{suffix.replace('-', '_')}", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
          build_directory=str(build), verbose=False, is_python_module=False)  # registers torch.ops.selfspec_vnni
     return torch.ops.selfspec_vnni
 
@@ -123,7 +137,7 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def mm(x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """``x2 @ w.T`` for bf16 ``x2`` [M, K] and the int4 weight :func:`pack` laid out; bf16 [M, N]."""
-    module, reason = _load()
+    module, reason, _ = _load()
     if module is None:
         raise SelfSpecError(f"the VNNI int4 kernel does not run here: {reason}")
     return module.int4_mm(x2.contiguous(), packed, scale_zero, group_size)

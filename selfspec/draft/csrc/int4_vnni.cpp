@@ -1,8 +1,11 @@
-// int4 weights x int8 activations through AVX-512 VNNI: the draft's int4 products (selfspec/draft/vnni.py).
+// int4 weights x int8 activations: the draft's int4 products (selfspec/draft/vnni.py).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] for bf16 x [M, K] and int4 w, where w = (q - 8) * scale + zero per group of G
 // inputs (the values torch's _weight_int4pack_mm_for_cpu computes with). x is rounded to int8 per block of 64
-// inputs (one scale each); the integer products run on _mm512_dpbusd_epi32 (4 u8 x s8 products per lane).
+// inputs (one scale each); the integer products run on AVX-512 VNNI's _mm512_dpbusd_epi32 (4 u8 x s8 products per
+// lane) where the build targets it (__AVX512VNNI__), else on AVX2's _mm256_maddubs_epi16 + _mm256_madd_epi16 (the
+// same sums of 4 products per lane: a pair of products, at most 2 * 15 * 127, fits in int16). The integer sums are
+// the same on both; only the order of the float sums differs.
 //
 // Layout of w: [N, K/2] uint8; each 64 bytes hold 128 inputs, byte j = q[j] | q[j + 64] << 4.
 // Layout of sz: [N, K/G, 2] bf16 (scale, zero). K % 128 == 0, G in {32, 64, 128, 256}, G | K.
@@ -44,6 +47,8 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G, int8_
     }
   }
 }
+
+#if defined(__AVX512VNNI__)
 
 // Output rows [n0, n1) for input rows [m0, m0 + MB): each weight byte is loaded and unpacked once for MB rows.
 template <int MB>
@@ -128,6 +133,110 @@ void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, 
   }
 }
 
+#else
+
+// AVX2 + FMA: the same two kernels on 256-bit vectors. A block of 64 inputs is two loads of 32 bytes (inputs 0-31
+// and 32-63 of the block, low or high halves of the same bytes as above).
+
+// 8 int32 lanes, each the sum of 4 of the 32 products of q (0..15) and a (int8)
+inline __m256i dot32(__m256i q, const int8_t* a) {
+  const __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// the int4 values of block h (64 inputs) of a row's bytes: (inputs 0-31, inputs 32-63)
+inline void block_q(const uint8_t* wr, int64_t h, __m256i& q0, __m256i& q1) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const uint8_t* src = wr + (h >> 1) * 64;
+  const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+  q0 = (h & 1) ? _mm256_and_si256(_mm256_srli_epi16(b0, 4), low4) : _mm256_and_si256(b0, low4);
+  q1 = (h & 1) ? _mm256_and_si256(_mm256_srli_epi16(b1, 4), low4) : _mm256_and_si256(b1, low4);
+}
+
+template <int MB>
+void rows_block(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, const float* XS, const float* XG,
+                at::BFloat16* Y, int64_t K, int64_t N, int64_t G, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t groups = K / G, halves = G / 64, blocks = K / 64;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = W + n * (K / 2);
+    const at::BFloat16* szr = SZ + n * groups * 2;
+    __m256 acc[MB];
+    float zero_term[MB];
+    for (int i = 0; i < MB; ++i) {
+      acc[i] = _mm256_setzero_ps();
+      zero_term[i] = 0.f;
+    }
+    int64_t h = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 acc_g[MB];
+      for (int i = 0; i < MB; ++i) acc_g[i] = _mm256_setzero_ps();
+      for (int64_t e = 0; e < halves; ++e, ++h) {
+        __m256i q0, q1;
+        block_q(wr, h, q0, q1);
+        for (int i = 0; i < MB; ++i) {
+          const int8_t* a = XQ + (m0 + i) * K + h * 64;
+          const __m256i dot = _mm256_add_epi32(dot32(q0, a), dot32(q1, a + 32));
+          acc_g[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(XS[(m0 + i) * blocks + h]), acc_g[i]);
+        }
+      }
+      const float scale = static_cast<float>(szr[2 * g]), zero = static_cast<float>(szr[2 * g + 1]);
+      const __m256 s = _mm256_set1_ps(scale);
+      for (int i = 0; i < MB; ++i) {
+        acc[i] = _mm256_fmadd_ps(acc_g[i], s, acc[i]);
+        zero_term[i] += (zero - 8.f * scale) * XG[(m0 + i) * groups + g];
+      }
+    }
+    for (int i = 0; i < MB; ++i) Y[(m0 + i) * N + n] = at::BFloat16(hsum(acc[i]) + zero_term[i]);
+  }
+}
+
+// Groups of 32: the two halves of a block are the block's two groups, each with its own scale.
+template <int MB>
+void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, const float* XS, const float* XG,
+                    at::BFloat16* Y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t groups = K / 32, blocks = K / 64;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = W + n * (K / 2);
+    const uint16_t* szr = reinterpret_cast<const uint16_t*>(SZ) + n * groups * 2;
+    __m256 acc[MB];
+    __m128 zacc[MB];
+    for (int i = 0; i < MB; ++i) {
+      acc[i] = _mm256_setzero_ps();
+      zacc[i] = _mm_setzero_ps();
+    }
+    for (int64_t h = 0; h < blocks; ++h) {
+      __m256i q0, q1;
+      block_q(wr, h, q0, q1);
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(szr + 4 * h));
+      const __m128 sz4 = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(raw), 16));  // s0, z0, s1, z1
+      const __m256 s0 = _mm256_broadcastss_ps(sz4), s1 = _mm256_broadcastss_ps(_mm_movehl_ps(sz4, sz4));
+      for (int i = 0; i < MB; ++i) {
+        const int64_t m = m0 + i;
+        const int8_t* a = XQ + m * K + h * 64;
+        const __m256 both = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(q0, a)), s0,
+                                            _mm256_mul_ps(_mm256_cvtepi32_ps(dot32(q1, a + 32)), s1));
+        acc[i] = _mm256_fmadd_ps(both, _mm256_set1_ps(XS[m * blocks + h]), acc[i]);
+        const float a0 = XG[m * groups + 2 * h], a1 = XG[m * groups + 2 * h + 1];
+        zacc[i] = _mm_fmadd_ps(sz4, _mm_setr_ps(-8.f * a0, a0, -8.f * a1, a1), zacc[i]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      __m128 z = _mm_add_ps(zacc[i], _mm_movehl_ps(zacc[i], zacc[i]));
+      z = _mm_add_ss(z, _mm_shuffle_ps(z, z, 1));
+      Y[(m0 + i) * N + n] = at::BFloat16(hsum(acc[i]) + _mm_cvtss_f32(z));
+    }
+  }
+}
+
+#endif
+
 // Calls f with the row count 1..4 as a compile-time constant (the kernels keep one accumulator per row in registers).
 template <typename F>
 void by_rows(int64_t rows, F&& f) {
@@ -174,6 +283,8 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
 
 namespace {
 
+#if defined(__AVX512VNNI__)
+
 // 16 bf16 values as fp32 (bf16 -> fp32 is a shift of 16 bits)
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -185,6 +296,32 @@ inline float dot(const at::BFloat16* a, const float* b, int64_t n) {  // n % 16 
   for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(load16(a + i), _mm512_loadu_ps(b + i), acc);
   return _mm512_reduce_add_ps(acc);
 }
+
+inline void axpy(const at::BFloat16* v, float w, float* acc, int64_t n) {  // acc += w * v, n % 16 == 0
+  const __m512 ws = _mm512_set1_ps(w);
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(load16(v + i), ws, _mm512_loadu_ps(acc + i)));
+}
+
+#else
+
+// 8 bf16 values as fp32
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float dot(const at::BFloat16* a, const float* b, int64_t n) {  // n % 8 == 0
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(b + i), acc);
+  return hsum(acc);
+}
+
+inline void axpy(const at::BFloat16* v, float w, float* acc, int64_t n) {  // acc += w * v, n % 8 == 0
+  const __m256 ws = _mm256_set1_ps(w);
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(load8(v + i), ws, _mm256_loadu_ps(acc + i)));
+}
+
+#endif
 
 }  // namespace
 
@@ -261,11 +398,7 @@ torch::Tensor draft_attention(const torch::Tensor& h, const torch::Tensor& qkv_w
         total += p[t];
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const __m512 w = _mm512_set1_ps(p[t] / total);
-        for (int64_t i = 0; i < D; i += 16)
-          _mm512_storeu_ps(acc.data() + i, _mm512_fmadd_ps(load16(V + t * D + i), w, _mm512_loadu_ps(acc.data() + i)));
-      }
+      for (int64_t t = 0; t < n; ++t) axpy(V + t * D, p[t] / total, acc.data(), D);
       for (int64_t i = 0; i < D; ++i) O[(r * heads + hd) * D + i] = at::BFloat16(acc[i]);
     }
   });
