@@ -8,12 +8,13 @@ written into the :class:`~selfspec.engine.cache.PositionalKVCache` slots of the 
 slots before them, o_proj; a kept MLP sublayer likewise (gate/up stacked, SiLU, down). The norms, residuals and
 the head stay the model's own modules.
 
-It runs where the draft's copies of the sublayer all run on the VNNI int4 kernel (:mod:`selfspec.draft.vnni`) and
-the sublayer is one this code computes: a Llama/Qwen2 attention without a sliding window, a head dimension a
-multiple of 32 and no o_proj bias; a SiLU MLP without biases. Anywhere else, and for any forward that is not a
-draft step on the positional cache, the module runs as loaded. The numbers differ from the module's path only by
-rounding (fp32 inside the call where the module rounds to bf16 between operators; tested against it); drafts are
-proposals, so verification and the output are untouched. ``SELFSPEC_FUSED_DRAFT=0`` turns it off.
+It runs where the draft's copies of the sublayer all run on our int4 kernel (:mod:`selfspec.draft.vnni`, its AVX-512
+VNNI or its AVX2 build) and the sublayer is one this code computes: a Llama/Qwen2 attention without a sliding
+window, a head dimension a multiple of 32 and no o_proj bias; a SiLU MLP without biases. Anywhere else, and for any
+forward that is not a draft step on the positional cache, the module runs as loaded. The numbers differ from the
+module's path only by rounding (fp32 inside the call where the module rounds to bf16 between operators; tested
+against it); drafts are proposals, so verification and the output are untouched. ``SELFSPEC_FUSED_DRAFT=0`` turns it
+off.
 
 Each call is switched on by :meth:`selfspec.draft.path.DraftPath.drafting` through the sublayer's
 :class:`~selfspec.draft.skip.SkippableSublayer` (its ``fast`` attribute); no transformers module is changed.
@@ -35,7 +36,8 @@ ARCHS = ("llama", "qwen2")  # decoder layers whose attention and MLP this code c
 
 
 def enabled() -> bool:
-    """Whether fused draft sublayers may run here: the VNNI kernel runs and the environment does not say 0."""
+    """Whether fused draft sublayers may run here: our int4 kernel runs (either build) and the environment does not
+    say 0."""
     return os.environ.get(ENV, "1") != "0" and vnni.available()
 
 
