@@ -84,6 +84,33 @@ def test_the_environment_variable_turns_the_kernel_off(monkeypatch):
         vnni._load.cache_clear()
 
 
+@pytest.mark.parametrize("flags, build", [
+    ({"fma", "avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx512-vnni"),
+    ({"fma", "avx2", "avx512f", "avx512bw", "avx512vl"}, "avx2"),  # AVX-512 without VNNI: the AVX2 build
+    ({"fma", "avx2"}, "avx2"),
+    ({"avx2"}, None),
+    (set(), None),
+])
+def test_the_build_follows_the_cpu_flags(monkeypatch, flags, build):
+    """The best build the CPU runs (compiling is replaced: only the choice is under test); none without AVX2 + FMA."""
+    built = []
+    vnni._load.cache_clear()
+    monkeypatch.delenv(vnni.ENV, raising=False)
+    monkeypatch.setattr(vnni.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(vnni, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(vnni, "_build", lambda name: built.append(name) or object())
+    try:
+        assert vnni.isa() == build and vnni.available() == (build is not None)
+        assert built == ([build] if build else [])
+        if build is None:
+            assert vnni.unavailable_reason().startswith("the CPU lacks") and "fma" in vnni.unavailable_reason()
+        for name in built:  # each build's compiler flags ask for what its CPU flags promise
+            needs, cflags = vnni.BUILDS[name]
+            assert {f"-m{f.replace('_', '')}" for f in needs} == set(cflags)
+    finally:
+        vnni._load.cache_clear()
+
+
 @needs_vnni
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_greedy_drafts_through_the_vnni_kernel_stay_exact(arch):
