@@ -103,7 +103,7 @@ def _marginals(model, prompt, params, vocab):
 
 @pytest.mark.parametrize("params,draft", [
     (SamplingParams(temperature=1.0), None),
-    (SamplingParams(temperature=0.8, top_k=6), None),
+    pytest.param(SamplingParams(temperature=0.8, top_k=6), None, marks=pytest.mark.slow),  # truncation: top_p runs
     (SamplingParams(temperature=0.9, top_p=0.8), None),
     # copied drafts (point-mass proposals) and a cut draft head (zero proposal mass off 4 ids)
     (SamplingParams(temperature=1.0), DraftOptions(head_tokens=4, ngram=1)),
@@ -111,8 +111,9 @@ def _marginals(model, prompt, params, vocab):
     # copies; shorter copies beside the drawn path (multi-candidate rejection sampling)
     (SamplingParams(temperature=1.0), DraftOptions(branch_below=0.99, tree_nodes=6)),
     (SamplingParams(temperature=0.9, top_p=0.9), DraftOptions(ngram=1, copy_candidates=3, tree_nodes=6)),
-    (SamplingParams(temperature=1.0), DraftOptions(ngram=2, copy_fallback=1, copy_candidates=3, branch_below=0.99,
-                                                   tree_nodes=8)),
+    # copies and branches in one tree (each runs alone above): a second variant, left out of the default run
+    pytest.param(SamplingParams(temperature=1.0), DraftOptions(ngram=2, copy_fallback=1, copy_candidates=3,
+                                                               branch_below=0.99, tree_nodes=8), marks=pytest.mark.slow),
 ], ids=["plain", "top_k", "top_p", "copy_cut_head", "tree_branch", "tree_copies", "tree_fallback_branch"])
 def test_engine_samples_the_target_distribution(make_model, params, draft):
     """Tokens 2 and 3 of a request (made by draft/verify rounds) follow the model's own distribution."""
