@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -379,6 +380,27 @@ def _cli(tmp_path, *overrides, **kw):
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw)
 
 
+def _study(tmp_path):
+    return optuna.load_study(study_name="tiny-llama-default", storage=f"sqlite:///{tmp_path}/optuna/study.db")
+
+
+@pytest.fixture(scope="module")
+def two_trial_study(tmp_path_factory):
+    """One finished 2-trial CLI search, shared by the tests that resume it (each on its own copy)."""
+    base = tmp_path_factory.mktemp("two_trial_study")
+    assert _cli(base, "logger=none", "search.n_trials=2").wait(timeout=300) == 0
+    return base / "optuna" / "study.db"
+
+
+@pytest.fixture
+def resumable(tmp_path, two_trial_study):
+    """This test's own copy of the shared 2-trial study, where `_cli(tmp_path, ...)` finds it."""
+    (tmp_path / "optuna").mkdir()
+    shutil.copyfile(two_trial_study, tmp_path / "optuna" / "study.db")
+    assert finished(_study(tmp_path)) == 2
+    return tmp_path
+
+
 def test_cli_end_to_end_with_offline_wandb(tmp_path):
     proc = _cli(tmp_path, "logger=wandb", f"logger.dir={tmp_path}/wandb")
     out, err = proc.communicate(timeout=300)
@@ -432,7 +454,7 @@ def test_cli_killed_midway_resumes(tmp_path):
     proc = _cli(tmp_path, "logger=none", "search.n_trials=400", start_new_session=True)
     deadline = time.time() + 120
     done = 0
-    while time.time() < deadline and done < 5:
+    while time.time() < deadline and done < 5 and proc.poll() is None:
         time.sleep(0.5)
         if db.exists():
             try:
@@ -441,8 +463,8 @@ def test_cli_killed_midway_resumes(tmp_path):
             except sqlite3.OperationalError:
                 pass
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert done >= 5, "the search never got going"
+    _, err = proc.communicate()
+    assert done >= 5, f"the search never got going:\n{err[-3000:]}"
     proc = _cli(tmp_path, "logger=none", "search.n_trials=40")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
@@ -460,20 +482,16 @@ def test_cli_bad_input(tmp_path):
     assert proc.returncode != 0 and "no-such-set" in err
 
 
-def test_resume_with_other_calibration_refused(tmp_path):
-    proc = _cli(tmp_path, "logger=none", "search.n_trials=2")
-    assert proc.wait(timeout=300) == 0
-    proc = _cli(tmp_path, "logger=none", "search.n_trials=3", "search.calibration_tokens=10")
+def test_resume_with_other_calibration_refused(resumable):
+    proc = _cli(resumable, "logger=none", "search.n_trials=3", "search.calibration_tokens=10")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "other calibration prompts or settings" in err
 
 
-def _study(tmp_path):
-    return optuna.load_study(study_name="tiny-llama-default", storage=f"sqlite:///{tmp_path}/optuna/study.db")
 
 
-def test_cli_remeasures_costs_on_another_machine_and_says_so(tmp_path):
-    assert _cli(tmp_path, "logger=none", "search.n_trials=3").wait(timeout=300) == 0
+def test_cli_remeasures_costs_on_another_machine_and_says_so(resumable):
+    tmp_path = resumable
     study = _study(tmp_path)
     saved = study.user_attrs["calibration_data"]
     saved["costs"]["machine"]["cpu"] = "another CPU"
@@ -491,8 +509,8 @@ def test_cli_remeasures_costs_on_another_machine_and_says_so(tmp_path):
     assert _study(tmp_path).user_attrs["calibration_data"]["costs"]["version"] == COST_MODEL_VERSION
 
 
-def test_a_torn_calibration_file_of_an_older_study_is_calibrated_again(tmp_path):
-    assert _cli(tmp_path, "logger=none", "search.n_trials=2").wait(timeout=300) == 0
+def test_a_torn_calibration_file_of_an_older_study_is_calibrated_again(resumable):
+    tmp_path = resumable
     study = _study(tmp_path)  # as an older selfspec left it: the calibration in a file beside the study
     saved = study.user_attrs["calibration_data"]
     study.set_user_attr("calibration_data", None)
@@ -511,9 +529,8 @@ def test_a_torn_calibration_file_of_an_older_study_is_calibrated_again(tmp_path)
 @pytest.mark.parametrize("override, message", [
     pytest.param("search.max_skipped=2", "searched another space", marks=pytest.mark.slow),
     ("search.objective=wallclock", "was scored by objective")])
-def test_cli_refuses_to_resume_under_other_scoring_settings(tmp_path, override, message):
-    assert _cli(tmp_path, "logger=none", "search.n_trials=2").wait(timeout=300) == 0
-    _, err = _cli(tmp_path, "logger=none", "search.n_trials=3", override).communicate(timeout=300)
+def test_cli_refuses_to_resume_under_other_scoring_settings(resumable, override, message):
+    _, err = _cli(resumable, "logger=none", "search.n_trials=3", override).communicate(timeout=300)
     assert message in err
 
 
