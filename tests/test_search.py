@@ -462,7 +462,8 @@ def test_cli_killed_midway_resumes(tmp_path):
                     done = con.execute("select count(*) from trials where state='COMPLETE'").fetchone()[0]
             except sqlite3.OperationalError:
                 pass
-    os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
     _, err = proc.communicate()
     assert done >= 5, f"the search never got going:\n{err[-3000:]}"
     proc = _cli(tmp_path, "logger=none", "search.n_trials=40")
