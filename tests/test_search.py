@@ -489,8 +489,6 @@ def test_resume_with_other_calibration_refused(resumable):
     assert proc.returncode == 2 and "other calibration prompts or settings" in err
 
 
-
-
 def test_cli_remeasures_costs_on_another_machine_and_says_so(resumable):
     tmp_path = resumable
     study = _study(tmp_path)
