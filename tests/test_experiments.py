@@ -556,3 +556,10 @@ def test_search_importance_names_the_parameter_that_drives_the_score(tmp_path):
     assert tmp_path / "figures" / "search_importance.png" in written
     rows = (tmp_path / "figures" / "search_importance.csv").read_text().splitlines()
     assert rows[0] == "study,parameter,dimension,importance" and rows[1].startswith("s,attn_3,attention skips,")
+
+
+def test_search_importance_csv_orders_ties_by_name(tmp_path):
+    from selfspec.eval.figures import _importance_csv
+
+    path = _importance_csv({"s": {"mlp_4": 0.03081, "attn_1": 0.030799, "k": 0.5, "attn_0": 0.001}}, tmp_path / "i.csv")
+    assert [r.split(",")[1] for r in path.read_text().splitlines()[1:]] == ["k", "attn_1", "mlp_4", "attn_0"]

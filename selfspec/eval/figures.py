@@ -145,7 +145,9 @@ def _importance_csv(importances: dict[str, dict[str, float]], path: Path) -> Pat
         w = csv.writer(f)
         w.writerow(["study", "parameter", "dimension", "importance"])
         for name, imp in importances.items():
-            for param, value in imp.items():
+            # importances equal at the printed precision come out by name: regenerating the file from the
+            # same study gives the same file (their last digits vary from run to run)
+            for param, value in sorted(imp.items(), key=lambda pv: (-round(pv[1], 4), pv[0])):
                 w.writerow([name, param, dimension_of(param), f"{value:.4f}"])
     return path
 
