@@ -127,10 +127,10 @@ def write_figures(by_exp: dict[str, list[dict]], studies: Path | None, out_dir: 
             dims: dict[str, float] = {}
             for param, value in imp.items():
                 dims[dimension_of(param)] = dims.get(dimension_of(param), 0.0) + value
-            order = sorted(dims, key=dims.get)
+            order = sorted(dims, key=lambda d: (round(dims[d], 4), d))
             ax1.barh(order, [dims[d] for d in order])
             ax1.set(title=f"{name}\nby dimension (sum of its parameters)", xlabel="PED-ANOVA importance")
-            top = sorted(imp, key=imp.get)[-15:]
+            top = sorted(imp, key=lambda p: (round(imp[p], 4), p))[-15:]  # ties by name, as in the CSV
             ax2.barh(top, [imp[p] for p in top], color="C1")
             ax2.set(title=f"{name}\nthe 15 most important parameters", xlabel="PED-ANOVA importance")
             for ax in (ax1, ax2):
