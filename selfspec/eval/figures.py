@@ -46,6 +46,12 @@ def dimension_of(param: str) -> str:
     return param
 
 
+def ranked(importances: dict[str, float]) -> list[str]:
+    """The names, largest importance first; those equal at the printed four decimals by name, so the CSV and
+    the figure regenerated from the same study come out alike (the last digits vary from run to run)."""
+    return sorted(importances, key=lambda name: (-round(importances[name], 4), name))
+
+
 LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
 
 
@@ -127,10 +133,10 @@ def write_figures(by_exp: dict[str, list[dict]], studies: Path | None, out_dir: 
             dims: dict[str, float] = {}
             for param, value in imp.items():
                 dims[dimension_of(param)] = dims.get(dimension_of(param), 0.0) + value
-            order = sorted(dims, key=lambda d: (round(dims[d], 4), d))
+            order = ranked(dims)[::-1]  # barh draws bottom up: the largest on top
             ax1.barh(order, [dims[d] for d in order])
             ax1.set(title=f"{name}\nby dimension (sum of its parameters)", xlabel="PED-ANOVA importance")
-            top = sorted(imp, key=lambda p: (round(imp[p], 4), p))[-15:]  # ties by name, as in the CSV
+            top = ranked(imp)[:15][::-1]
             ax2.barh(top, [imp[p] for p in top], color="C1")
             ax2.set(title=f"{name}\nthe 15 most important parameters", xlabel="PED-ANOVA importance")
             for ax in (ax1, ax2):
@@ -145,10 +151,8 @@ def _importance_csv(importances: dict[str, dict[str, float]], path: Path) -> Pat
         w = csv.writer(f)
         w.writerow(["study", "parameter", "dimension", "importance"])
         for name, imp in importances.items():
-            # importances equal at the printed precision come out by name: regenerating the file from the
-            # same study gives the same file (their last digits vary from run to run)
-            for param, value in sorted(imp.items(), key=lambda pv: (-round(pv[1], 4), pv[0])):
-                w.writerow([name, param, dimension_of(param), f"{value:.4f}"])
+            for param in ranked(imp):
+                w.writerow([name, param, dimension_of(param), f"{imp[param]:.4f}"])
     return path
 
 
