@@ -1,5 +1,7 @@
 """The round simulator is exact: in fp64 on tiny models, for any draft, its counts equal a real greedy run's."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -79,6 +81,25 @@ def test_prompts_side_by_side_count_as_one_by_one(make_model, name):
     middle = sim.simulate(spec, prompts=range(1, 3))  # a batch of some prompts only
     assert middle == sum_counts(RoundSimulator(model, PROMPTS[j : j + 1], conts[j : j + 1]).simulate(spec)
                                 for j in (1, 2))
+
+
+@pytest.mark.parametrize("name", ["skip", "skip_k5", "adaptive", "head", "branch_tree", "fallback_tree"])
+def test_lazy_rows_count_as_whole_chunks(make_model, name):
+    """Drafting a chain's round one position a forward up to its first miss (or adaptive stop) gives the
+    counts of drafting its whole chunk at once, computing fewer positions; a tree's rounds run whole."""
+    model = make_model("llama", torch.float64)
+    spec = SPECS[name]
+    conts = [autoregressive(model, p, DecodeConfig(max_new_tokens=n)).tokens for p, n in zip(PROMPTS, (30, 8, 20, 14))]
+    lazy, whole = RoundSimulator(model, PROMPTS, conts), RoundSimulator(model, PROMPTS, conts, lazy=False)
+    counts = lazy.simulate(spec)
+    assert counts == whole.simulate(spec) and counts.rounds > 0
+    assert lazy.forwards >= whole.forwards
+    if spec.options.tree and spec.options.branch_below:
+        assert lazy.rows == whole.rows
+    else:
+        assert lazy.rows < whole.rows
+    k5 = replace(spec, k=spec.k + 2)  # a longer chunk of the same forward: the memo's partial chunks extended
+    assert lazy.simulate(k5) == RoundSimulator(model, PROMPTS, conts, lazy=False).simulate(k5)
 
 
 def sum_counts(parts) -> RoundCounts:

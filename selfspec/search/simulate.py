@@ -19,6 +19,11 @@ loop runs it:
   All prompts' pending model rounds run as one batched forward; each chunk sits in
   scratch slots past every prompt's context, so the saved full-model keys/values are
   never overwritten (:class:`_ChunkCache`).
+- lazy rows: a chain's round needs the draft's outputs only up to its first miss (fixed
+  ``k``) or its adaptive stop, and a row of a forward costs about as much as the forward
+  itself once a batch holds more than a few (results/PERF.md). So a chain's chunk is drafted
+  one position a forward, its own keys/values kept in its prompt's scratch slots between
+  forwards, until the round is decided (:func:`_decided`); a tree's needs all ``k``.
 - draft trees (:mod:`selfspec.engine.tree`): a copy tree is the trie of the distinct
   continuations, accepted along ``c``; a model draft that branches adds the 2nd-best token
   beside each unsure position, and it is accepted where it is the token the draft got wrong;
@@ -30,7 +35,8 @@ loop runs it:
   the prompt and ``c[i:i+j+1]``, never on ``k``, the copy options or the length policy. So a
   round that an earlier simulation of the same draft forward already ran is not run again: a search
   whose trials share a draft forward and differ in their other options runs few forwards after
-  the first of them (:attr:`RoundSimulator.forwards` counts those it ran, ``reused`` those it did not).
+  the first of them (:attr:`RoundSimulator.forwards` counts those it ran, ``reused`` those it did not,
+  ``rows`` the draft positions they computed).
 
 The counts of rounds by drafted length (:class:`RoundCounts`) times the cost
 model's seconds give the predicted time (:mod:`selfspec.search.costs`).
@@ -140,15 +146,27 @@ class Drafted:
         conf = (top.values[:, 0] - logits.logsumexp(-1)).exp()
         return cls(tuple(top.indices[:, 0].tolist()), tuple(conf.tolist()), tuple(top.indices[:, 1].tolist()))
 
+    def extended(self, more: Drafted, at: int) -> Drafted:
+        """These outputs up to position ``at``, then ``more`` (the positions from ``at`` on)."""
+        return Drafted(self.pred[:at] + more.pred, self.conf[:at] + more.conf, self.second[:at] + more.second)
+
 
 class _Chunk:
-    """What the next batched draft forward writes: its rows of the cache and the first scratch slot."""
+    """What the next batched draft forward writes: its rows of the cache, the first scratch slot, and
+    where each row's new positions go past it (``offsets``, one per row; None: all at the first slot)."""
 
-    __slots__ = ("rows", "start")
+    __slots__ = ("rows", "start", "offsets", "slots")
 
     def __init__(self, start: int) -> None:
         self.rows: slice | torch.Tensor = slice(None)
         self.start = start
+        self.offsets: torch.Tensor | None = None
+        self.slots = 0  # scratch slots the forward reads: its widest row's offset + its width
+
+    def place(self, rows: slice | torch.Tensor, offsets: list[int], width: int, device) -> None:
+        self.rows = rows
+        self.offsets = torch.tensor(offsets, device=device) if any(offsets) else None
+        self.slots = max(offsets) + width
 
 
 class _ChunkLayer(CacheLayerMixin):
@@ -164,14 +182,23 @@ class _ChunkLayer(CacheLayerMixin):
         raise RuntimeError("the simulator's cache is allocated up front")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        rows, a = self.chunk.rows, self.chunk.start  # rows: a slice (a view) or an index tensor (a copy)
-        b = a + key_states.shape[-2]
-        self.keys[rows, :, a:b] = key_states
-        self.values[rows, :, a:b] = value_states
-        return self.keys[rows, :, :b], self.values[rows, :, :b]
+        chunk = self.chunk
+        rows, a = chunk.rows, chunk.start  # rows: a slice (a view) or an index tensor (a copy)
+        width = key_states.shape[-2]
+        if chunk.offsets is None:
+            self.keys[rows, :, a : a + width] = key_states
+            self.values[rows, :, a : a + width] = value_states
+        else:  # each row's new positions after the ones it already holds
+            dev = self.keys.device
+            index = torch.arange(self.keys.shape[0], device=dev)[rows] if isinstance(rows, slice) else rows
+            slots = a + chunk.offsets[:, None] + torch.arange(width, device=dev)[None, :]
+            self.keys[index[:, None], :, slots] = key_states.transpose(1, 2)
+            self.values[index[:, None], :, slots] = value_states.transpose(1, 2)
+        end = a + chunk.slots
+        return self.keys[rows, :, :end], self.values[rows, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.chunk.start + query_length, 0
+        return self.chunk.start + self.chunk.slots, 0
 
     def get_seq_length(self) -> int:
         return self.chunk.start
@@ -197,7 +224,7 @@ class _ChunkCache(Cache):
         return self.chunk.start
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.chunk.start + query_length, 0
+        return self.chunk.start + self.chunk.slots, 0
 
 
 class RoundSimulator:
@@ -208,9 +235,11 @@ class RoundSimulator:
     weights once for all of them.
     """
 
-    def __init__(self, model, prompts: list[list[int]], continuations: list[list[int]], stop_ids=()) -> None:
+    def __init__(self, model, prompts: list[list[int]], continuations: list[list[int]], stop_ids=(),
+                 lazy: bool = True) -> None:
         self.model = model
         self.stop_ids = stop_ids
+        self.lazy = lazy  # chain rounds: draft one position a forward, up to the first miss or the adaptive stop
         self.device = next(model.parameters()).device
         self.prompts = [list(p) for p in prompts]
         self.continuations = [list(c) for c in continuations]
@@ -226,7 +255,8 @@ class RoundSimulator:
                 cache = PositionalKVCache(model, max_len=len(seq))
                 forward_at(model, cache, self._tensor(seq), 0, keep=1)
                 if not layers:
-                    shape = lambda t: (len(seqs), t.shape[1], self.scratch + longest, t.shape[3])  # noqa: E731
+                    # scratch: a chunk of <= longest positions, and a batch's padding past a row's own
+                    shape = lambda t: (len(seqs), t.shape[1], self.scratch + 2 * longest, t.shape[3])  # noqa: E731
                     layers = [(torch.zeros(shape(lay.keys), dtype=lay.keys.dtype, device=self.device),
                                torch.zeros(shape(lay.values), dtype=lay.values.dtype, device=self.device))
                               for lay in cache.layers]
@@ -237,6 +267,7 @@ class RoundSimulator:
         # forward_key -> (prompt, i) -> the draft's outputs over the longest chunk run from c[i]
         self.memo: dict[tuple, dict[tuple[int, int], Drafted]] = {}
         self.forwards = 0  # chunks (rows of batched draft forwards) run so far
+        self.rows = 0  # draft positions computed so far (a lazy chunk's positions, over its forwards)
         self.reused = 0  # chunks answered from the memo
 
     def _tensor(self, tokens: list[int]) -> torch.Tensor:
@@ -254,14 +285,22 @@ class RoundSimulator:
         heads = None
         with torch.inference_mode(), packed_weights(self.model), decode_attention(self.model):
             replays = {b: self._replay(spec, b) for b in rows}
-            pending: dict[int, tuple[int, int]] = {}
+            pending: dict[int, tuple[int, int, bool]] = {}  # prompt -> the round (i, k, lazy) it waits on
+            sent: dict[int, tuple[int, int]] = {}  # prompt -> (i, positions) last sent to its replay
+            held: dict[int, tuple[int, int]] = {}  # prompt -> (i, positions) whose keys/values its scratch holds
 
-            def advance(b: int, sent: Drafted | None) -> None:
-                """Run prompt ``b``'s replay to its next round that the memo cannot answer."""
+            def advance(b: int, drafted: Drafted | None) -> None:
+                """Run prompt ``b``'s replay to its next request that the memo cannot answer (a replay asks
+                for the same round again when the positions it was sent do not decide it)."""
                 try:
-                    request = next(replays[b]) if sent is None else replays[b].send(sent)
-                    while len(known := memo.get((b, request[0]), ())) >= request[1]:
+                    request = next(replays[b]) if drafted is None else replays[b].send(drafted)
+                    while True:
+                        i = request[0]
+                        known = memo.get((b, i), ())
+                        if len(known) <= (sent[b][1] if sent.get(b, (None,))[0] == i else 0):
+                            break
                         self.reused += 1
+                        sent[b] = (i, len(known))
                         request = replays[b].send(known)
                     pending[b] = request
                 except StopIteration as done:
@@ -273,12 +312,22 @@ class RoundSimulator:
                 if heads is None:
                     heads = self._heads(path, rows)
                 order = sorted(pending)
-                logits = self._draft_forward(path, [(b, *pending[b]) for b in order], heads)
+                chunks = []
+                for b in order:
+                    i, k, lazy = pending[b]
+                    have = len(memo.get((b, i), ()))
+                    start = held[b][1] if held.get(b, (None,))[0] == i else 0  # positions to recompute from
+                    chunks.append((b, i, start, min(have + 1, k) if lazy else max(k, have)))
+                logits = self._draft_forward(path, chunks, heads)
                 self.forwards += len(order)
-                requests, pending = pending, {}
-                for j, b in enumerate(order):
-                    i, k = requests[b]
-                    memo[(b, i)] = drafted = Drafted.of(logits[j, :k])
+                pending = {}
+                for j, (b, i, start, end) in enumerate(chunks):
+                    self.rows += end - start
+                    new = Drafted.of(logits[j, : end - start])
+                    old = memo.get((b, i))
+                    memo[(b, i)] = drafted = old.extended(new, start) if old is not None and start else new
+                    held[b] = (i, end)
+                    sent[b] = (i, len(drafted))
                     advance(b, drafted)
         return total
 
@@ -303,44 +352,52 @@ class RoundSimulator:
             masks[b] = outside
         return masks
 
-    def _draft_forward(self, path: DraftPath, rounds: list[tuple[int, int, int]],
+    def _draft_forward(self, path: DraftPath, chunks: list[tuple[int, int, int, int]],
                        heads: dict[int, torch.Tensor] | None) -> torch.Tensor:
-        """One batched draft forward over the rounds ``(prompt, i, k)``: each row's ``c[i:i+k]``
-        teacher-forced at positions ``P+i..``; logits ``[rows, max k, V]``."""
-        width = max(k for _, _, k in rounds)
-        n, start = len(rounds), self.scratch
-        tokens, pos, ctx = [], [], []
-        for b, i, k in rounds:
-            chunk = self.continuations[b][i : i + k]
-            tokens.append(chunk + [chunk[-1]] * (width - k))  # padding rows: after the real ones, never read
+        """One batched draft forward over the chunks ``(prompt, i, start, end)``: each row's ``c[i+start:i+end]``
+        teacher-forced at positions ``P+i+start..``, on top of the full-model context below ``P+i`` and the
+        row's own keys/values of ``c[i:i+start]`` in its scratch slots (written by its earlier forwards);
+        logits ``[rows, widest, V]``."""
+        width = max(end - start for _, _, start, end in chunks)
+        n, base = len(chunks), self.scratch
+        tokens, pos, ctx, offsets = [], [], [], []
+        for b, i, start, end in chunks:
+            chunk = self.continuations[b][i + start : i + end]
+            tokens.append(chunk + [chunk[-1]] * (width - len(chunk)))  # padding: after the real ones, never read
             first = len(self.prompts[b]) + i
-            pos.append(list(range(first, first + width)))
+            pos.append(list(range(first + start, first + start + width)))
             ctx.append(first)
+            offsets.append(start)
         pos_t = torch.tensor(pos, dtype=torch.long)
         ctx_t = torch.tensor(ctx, dtype=torch.long)
-        slots = torch.arange(start + width)
-        # row b attends to its full-model context (slots below its round's first position) and,
-        # causally, to its own chunk in the scratch slots
-        scratch = (slots[None, None, :] >= start) & (slots[None, None, :] - start <= torch.arange(width)[None, :, None])
+        off_t = torch.tensor(offsets, dtype=torch.long)
+        slots = torch.arange(base + max(offsets) + width)
+        # row b attends to its full-model context (slots below its round's first position) and, causally,
+        # to its own chunk in the scratch slots (chunk position = slot - base)
+        query = off_t[:, None, None] + torch.arange(width)[None, :, None]
+        scratch = (slots[None, None, :] >= base) & (slots[None, None, :] - base <= query)
         allowed = (slots[None, None, :] < ctx_t[:, None, None]) | scratch
-        key_pos = torch.where(slots[None, :] < start, slots[None, :], ctx_t[:, None] + slots[None, :] - start)
+        key_pos = torch.where(slots[None, :] < base, slots[None, :], ctx_t[:, None] + slots[None, :] - base)
         mask = layer_masks(self.model, allowed, pos_t, key_pos, self.device)
-        cache, rows = self.cache, [b for b, _, _ in rounds]
+        cache, rows = self.cache, [b for b, _, _, _ in chunks]
         contiguous = rows == list(range(rows[0], rows[0] + n))
-        cache.chunk.rows = slice(rows[0], rows[0] + n) if contiguous else torch.tensor(rows, device=self.device)
+        cache.chunk.place(slice(rows[0], rows[0] + n) if contiguous else torch.tensor(rows, device=self.device),
+                          offsets, width, self.device)
         with path.drafting():
             out = self.model(input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
                              position_ids=pos_t.to(self.device), **cache_kwargs(self.model, cache), use_cache=True,
                              attention_mask=mask, logits_to_keep=width)
         logits = out.logits
         if heads is not None:
-            outside = torch.stack([heads[b] for b, _, _ in rounds])
+            outside = torch.stack([heads[b] for b, _, _, _ in chunks])
             logits = logits.masked_fill(outside[:, None, :], float("-inf"))
         return logits
 
-    def _replay(self, spec: DraftSpec, index: int) -> Generator[tuple[int, int], Drafted, RoundCounts]:
-        """The rounds of one prompt, as the loop runs them; yields ``(i, k)`` for each model-drafted
-        round and is sent the draft's outputs over ``c[i:i+k]`` (:class:`Drafted`, at least ``k`` positions)."""
+    def _replay(self, spec: DraftSpec, index: int) -> Generator[tuple[int, int, bool], Drafted, RoundCounts]:
+        """The rounds of one prompt, as the loop runs them; yields ``(i, k, lazy)`` for each model-drafted
+        round and is sent the draft's outputs over the first positions of ``c[i:i+k]`` (:class:`Drafted`); it
+        yields the same round again while those do not decide it (all ``k`` positions, or with ``lazy`` a
+        chain's first miss or adaptive stop, :func:`_decided`)."""
         prompt, c = self.prompts[index], self.continuations[index]
         P, L = len(prompt), len(c)
         out = RoundCounts()
@@ -381,9 +438,13 @@ class RoundSimulator:
                 if fallback is not None:
                     fallback.extend(c[len(fallback.tokens) - P : i + 1])
                     copies = fallback.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates)
-                drafted_out = yield i, k
+                branch = opts.branch_below if tree else 0.0
+                lazy = self.lazy and not branch and not copies
+                drafted_out = yield i, k, lazy
+                while not _decided(drafted_out, c, i, k, threshold, lazy):
+                    drafted_out = yield i, k, lazy
                 modelled, accepted, nodes, depth = _model_round(
-                    drafted_out, c, i, k, threshold, opts.branch_below if tree else 0.0, opts.tree_nodes, copies)
+                    drafted_out, c, i, k, threshold, branch, opts.tree_nodes, copies)
                 if nodes > modelled:
                     out.tree_rounds[(modelled, nodes)] += 1
                 else:
@@ -395,6 +456,19 @@ class RoundSimulator:
             out.tokens += accepted + 1
             i += accepted + 1
         return out
+
+
+def _decided(out: Drafted, c: list[int], i: int, k: int, threshold: AdaptiveThreshold, lazy: bool) -> bool:
+    """Whether the draft's outputs over the first positions of ``c[i:i+k]`` decide the round: all ``k`` of
+    them, or for a chain (``lazy``) its adaptive stop, or, drafting a fixed ``k``, its first miss."""
+    n = min(len(out), k)
+    if n == k:
+        return True
+    if not lazy:
+        return False
+    if threshold.on:
+        return any(threshold.stops_after(p) for p in out.conf[:n])
+    return any(a != b for a, b in zip(out.pred[:n], c[i + 1 : i + 1 + n]))
 
 
 def _model_round(out: Drafted, c: list[int], i: int, k: int, threshold: AdaptiveThreshold,
