@@ -155,18 +155,25 @@ class _Chunk:
     """What the next batched draft forward writes: its rows of the cache, the first scratch slot, and
     where each row's new positions go past it (``offsets``, one per row; None: all at the first slot)."""
 
-    __slots__ = ("rows", "start", "offsets", "slots")
+    __slots__ = ("rows", "start", "scatter", "slots")
 
     def __init__(self, start: int) -> None:
         self.rows: slice | torch.Tensor = slice(None)
         self.start = start
-        self.offsets: torch.Tensor | None = None
+        # None: every row writes at the first scratch slot; else (row index [n, 1], slot index [n, width])
+        self.scatter: tuple[torch.Tensor, torch.Tensor] | None = None
         self.slots = 0  # scratch slots the forward reads: its widest row's offset + its width
 
-    def place(self, rows: slice | torch.Tensor, offsets: list[int], width: int, device) -> None:
+    def place(self, rows: slice | torch.Tensor, offsets: list[int], width: int, n_rows: int, device) -> None:
+        """Built once a forward, not once a layer: the rows, and where each row's new positions go."""
         self.rows = rows
-        self.offsets = torch.tensor(offsets, device=device) if any(offsets) else None
         self.slots = max(offsets) + width
+        if not any(offsets):
+            self.scatter = None
+            return
+        index = torch.arange(n_rows, device=device)[rows] if isinstance(rows, slice) else rows
+        start = torch.tensor(offsets, device=device) + self.start
+        self.scatter = index[:, None], start[:, None] + torch.arange(width, device=device)[None, :]
 
 
 class _ChunkLayer(CacheLayerMixin):
@@ -184,16 +191,14 @@ class _ChunkLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         chunk = self.chunk
         rows, a = chunk.rows, chunk.start  # rows: a slice (a view) or an index tensor (a copy)
-        width = key_states.shape[-2]
-        if chunk.offsets is None:
+        if chunk.scatter is None:
+            width = key_states.shape[-2]
             self.keys[rows, :, a : a + width] = key_states
             self.values[rows, :, a : a + width] = value_states
         else:  # each row's new positions after the ones it already holds
-            dev = self.keys.device
-            index = torch.arange(self.keys.shape[0], device=dev)[rows] if isinstance(rows, slice) else rows
-            slots = a + chunk.offsets[:, None] + torch.arange(width, device=dev)[None, :]
-            self.keys[index[:, None], :, slots] = key_states.transpose(1, 2)
-            self.values[index[:, None], :, slots] = value_states.transpose(1, 2)
+            index, slots = chunk.scatter
+            self.keys[index, :, slots] = key_states.transpose(1, 2)
+            self.values[index, :, slots] = value_states.transpose(1, 2)
         end = a + chunk.slots
         return self.keys[rows, :, :end], self.values[rows, :, :end]
 
@@ -382,7 +387,7 @@ class RoundSimulator:
         cache, rows = self.cache, [b for b, _, _, _ in chunks]
         contiguous = rows == list(range(rows[0], rows[0] + n))
         cache.chunk.place(slice(rows[0], rows[0] + n) if contiguous else torch.tensor(rows, device=self.device),
-                          offsets, width, self.device)
+                          offsets, width, len(self.prompts), self.device)
         with path.drafting():
             out = self.model(input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
                              position_ids=pos_t.to(self.device), **cache_kwargs(self.model, cache), use_cache=True,
