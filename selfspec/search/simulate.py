@@ -153,7 +153,7 @@ class Drafted:
 
 class _Chunk:
     """What the next batched draft forward writes: its rows of the cache, the first scratch slot, and
-    where each row's new positions go past it (``offsets``, one per row; None: all at the first slot)."""
+    where each row's new positions go past it (``place``'s ``offsets``, one per row, as ``scatter`` indices)."""
 
     __slots__ = ("rows", "start", "scatter", "slots")
 
