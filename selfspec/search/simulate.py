@@ -164,14 +164,15 @@ class _Chunk:
         self.scatter: tuple[torch.Tensor, torch.Tensor] | None = None
         self.slots = 0  # scratch slots the forward reads: its widest row's offset + its width
 
-    def place(self, rows: slice | torch.Tensor, offsets: list[int], width: int, n_rows: int, device) -> None:
-        """Built once a forward, not once a layer: the rows, and where each row's new positions go."""
+    def place(self, rows: slice | torch.Tensor, offsets: list[int], width: int, device) -> None:
+        """Built once a forward, not once a layer: the rows (a bounded slice or an index tensor), and where each
+        row's new positions go."""
         self.rows = rows
         self.slots = max(offsets) + width
         if not any(offsets):
             self.scatter = None
             return
-        index = torch.arange(n_rows, device=device)[rows] if isinstance(rows, slice) else rows
+        index = torch.arange(rows.start, rows.stop, device=device) if isinstance(rows, slice) else rows
         start = torch.tensor(offsets, device=device) + self.start
         self.scatter = index[:, None], start[:, None] + torch.arange(width, device=device)[None, :]
 
@@ -387,7 +388,7 @@ class RoundSimulator:
         cache, rows = self.cache, [b for b, _, _, _ in chunks]
         contiguous = rows == list(range(rows[0], rows[0] + n))
         cache.chunk.place(slice(rows[0], rows[0] + n) if contiguous else torch.tensor(rows, device=self.device),
-                          offsets, width, len(self.prompts), self.device)
+                          offsets, width, self.device)
         with path.drafting():
             out = self.model(input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
                              position_ids=pos_t.to(self.device), **cache_kwargs(self.model, cache), use_cache=True,
