@@ -1,6 +1,6 @@
 """Which low-precision kernel makes a one-row draft step cheapest, and what it costs in agreement.
 
-    python scripts/draft_kernels.py [--model qwen2.5-coder-1.5b] [--layers 28] [--reps 5]
+    python scripts/draft_kernels.py [--model qwen2.5-coder-1.5b] [--layers 28] [--reps 5] [--no-agreement]
 
 Two measurements, appended as one JSON line to --out:
 
@@ -149,12 +149,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", default="results/draft_kernels.jsonl")
+    ap.add_argument("--no-agreement", action="store_true",
+                    help="time the kernels only (the agreement loads the model and takes most of the run)")
     args = ap.parse_args()
     rates = speeds(args.layers, args.reps)
     for name, r in rates.items():
         print(f"{name:24s} {r:6.1f} G weights/s at one row", flush=True)
-    agree = agreement(args.model, args.tokens)
-    row = {"model": args.model, "layers": args.layers, "reps": args.reps, "tokens": args.tokens,
+    agree = None if args.no_agreement else agreement(args.model, args.tokens)
+    row = {"model": args.model, "layers": args.layers, "reps": args.reps,
+           **({} if agree is None else {"tokens": args.tokens}),
            "g_weights_per_s": rates, "argmax_agreement": agree, "torch": torch.__version__,
            "machine": machine_fingerprint(), "commit": git_commit()}
     with open(args.out, "a") as f:
