@@ -57,6 +57,8 @@ def _int4_kernel() -> str:
     if not vnni.available():
         return f"int4 ({vnni.unavailable_reason()})"
     name = "int4-vnni" if vnni.isa() == "avx512-vnni" else f"int4-vnni on {vnni.isa()}"  # AVX-512: as it always read
+    revision = vnni.REVISIONS[vnni.isa()]
+    name += f" r{revision}" if revision > 1 else ""
     return f"{name}, fused sublayers" if fused.enabled() else name
 
 

@@ -111,6 +111,22 @@ def test_the_build_follows_the_cpu_flags(monkeypatch, flags, build):
         vnni._load.cache_clear()
 
 
+@pytest.mark.parametrize("build, label", [("avx512-vnni", "int4-vnni"), ("avx2", "int4-vnni on avx2 r2")])
+def test_the_fingerprint_names_the_build_and_its_revision(monkeypatch, build, label):
+    """A kernel change that moves its speed is a new revision: studies timed on the old one re-measure their costs
+    (the AVX-512 build reads as it always did, so its studies keep their cost models)."""
+    from selfspec.draft import fused
+    from selfspec.provenance import machine_fingerprint
+
+    assert set(vnni.REVISIONS) == set(vnni.BUILDS)
+    monkeypatch.setattr(vnni, "available", lambda: True)
+    monkeypatch.setattr(vnni, "isa", lambda: build)
+    monkeypatch.setattr(fused, "enabled", lambda: False)
+    assert machine_fingerprint()["int4_kernel"] == label
+    monkeypatch.setattr(vnni, "REVISIONS", {**vnni.REVISIONS, build: vnni.REVISIONS[build] + 1})
+    assert machine_fingerprint()["int4_kernel"] != label
+
+
 @needs_vnni
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_greedy_drafts_through_the_vnni_kernel_stay_exact(arch):
