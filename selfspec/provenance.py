@@ -22,7 +22,7 @@ def git_commit(cwd: str | Path | None = None) -> str | None:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -45,7 +45,7 @@ def machine_fingerprint() -> dict:
 
     from selfspec.draft.packed import pack_format
 
-    return {"cpu": _cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "kernels": pack_format() or "stock",
+    return {"cpu": cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "kernels": pack_format() or "stock",
             "int4_kernel": _int4_kernel(),
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
