@@ -134,3 +134,14 @@ def test_copy_replay_prices_rounds_by_hand():
     # earliest, 2-gram down to 1: [5, 1] never occurred, the 1-gram [1] first did at 0: [2, 3, 4], all accepted
     # plus 9 (1.3), then neither [4, 9] nor [9] occurred before (plain step): 5 tokens in 2.3
     assert replay(prompt, output, ("earliest", 2, 1, 3), relative) == pytest.approx(5 / 2.3)
+
+
+def test_device_check_appends_one_row_on_the_cpu(tmp_path):
+    out = tmp_path / "device.jsonl"
+    p = _script("device_check.py", "--device", "cpu", "--quick", "--max-new-tokens", "16", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    (arch,) = row["archs"].values()
+    for what in ("fp32", "bf16_exact"):  # the checks the tests already hold on the CPU: every output equal to AR
+        assert arch[what]["same"] == arch[what]["runs"] > 0, arch[what]["misses"]
+    assert arch["sampling_seeded"] is True and arch["clock"]["clock_s"] > 0 and arch["clock"]["tokens"] == 16

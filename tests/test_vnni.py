@@ -72,7 +72,7 @@ def test_int4_copies_of_bf16_weights_that_fit_take_the_vnni_kernel():
 
 
 def test_the_environment_variable_turns_the_kernel_off(monkeypatch):
-    vnni._load.cache_clear()
+    vnni._load_once.cache_clear()
     monkeypatch.setenv(vnni.ENV, "aten")
     try:
         assert not vnni.available() and vnni.ENV in vnni.unavailable_reason()
@@ -81,7 +81,7 @@ def test_the_environment_variable_turns_the_kernel_off(monkeypatch):
             vnni.mm(torch.zeros(1, 128, dtype=torch.bfloat16), torch.zeros(4, 64, dtype=torch.uint8),
                     torch.zeros(4, 1, 2, dtype=torch.bfloat16), 128)
     finally:
-        vnni._load.cache_clear()
+        vnni._load_once.cache_clear()
 
 
 @pytest.mark.parametrize("flags, build", [
@@ -94,7 +94,7 @@ def test_the_environment_variable_turns_the_kernel_off(monkeypatch):
 def test_the_build_follows_the_cpu_flags(monkeypatch, flags, build):
     """The best build the CPU runs (compiling is replaced: only the choice is under test); none without AVX2 + FMA."""
     built = []
-    vnni._load.cache_clear()
+    vnni._load_once.cache_clear()
     monkeypatch.delenv(vnni.ENV, raising=False)
     monkeypatch.setattr(vnni.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(vnni, "cpu_flags", lambda: set(flags))
@@ -108,7 +108,41 @@ def test_the_build_follows_the_cpu_flags(monkeypatch, flags, build):
             needs, cflags = vnni.BUILDS[name]
             assert {f"-m{f.replace('_', '')}" for f in needs} == set(cflags)
     finally:
-        vnni._load.cache_clear()
+        vnni._load_once.cache_clear()
+
+
+def test_a_background_build_runs_once_and_callers_wait_for_it(monkeypatch):
+    """The search compiles the kernel while it loads the model: a caller during the build waits for its result."""
+    import threading
+
+    started, release, built = threading.Event(), threading.Event(), []
+
+    def slow_build(name):
+        built.append(name)
+        started.set()
+        assert release.wait(10)
+        return "kernel"
+
+    vnni._load_once.cache_clear()
+    monkeypatch.delenv(vnni.ENV, raising=False)
+    monkeypatch.setattr(vnni.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(vnni, "cpu_flags", lambda: {"fma", "avx2"})
+    monkeypatch.setattr(vnni, "_build", slow_build)
+    try:
+        thread = vnni.build_in_background()
+        assert started.wait(10)
+        answers = []
+        caller = threading.Thread(target=lambda: answers.append(vnni.isa()))
+        caller.start()
+        caller.join(0.2)
+        assert caller.is_alive() and not answers  # waits on the build in flight instead of starting another
+        release.set()
+        thread.join(10)
+        caller.join(10)
+        assert answers == ["avx2"] and built == ["avx2"] and vnni.available()
+    finally:
+        release.set()
+        vnni._load_once.cache_clear()
 
 
 @pytest.mark.parametrize("build, label", [("avx512-vnni", "int4-vnni"), ("avx2", "int4-vnni on avx2 r2")])

@@ -22,6 +22,7 @@ from selfspec.assets.models import load_model
 from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, plain, search_settings
 from selfspec.cli.jobs import job_failed, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
+from selfspec.draft import vnni
 from selfspec.search.pipeline import format_report, search
 
 
@@ -45,10 +46,16 @@ def main(cfg: DictConfig) -> None:
         check_new_keys("search", list(HydraConfig.get().overrides.task))
         set_threads(cfg)
         settings = search_settings(cfg)
+        # int4 drafts need the int4 kernel, compiled on a machine's first run (~45 s on a 2-core Zen 3): the
+        # compiler runs while the prompts and the model are fetched and loaded (results/PERF.md, 27th session)
+        int4 = "int4" in settings.space.weights + settings.space.head_weights and cfg.model.device == "cpu"
+        build = vnni.build_in_background() if int4 else None
         prompts = prompt_set_from_config(dataset_config(cfg), cfg.model.cache_dir)
         lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)
         save_config(cfg, out_dir)
         logger = _logger(cfg)
+        if build is not None:
+            build.join()  # the cost model times the kernel: no compile may run beside it
         report = search(lm, prompts, settings, on_trial=_on_trial(logger),
                         extra_provenance={"config": plain(cfg)})
         if report is None:  # another worker of the study writes the draft

@@ -15,7 +15,8 @@ G int4 weights/s at one row, 3.7-4.1x what fbgemm's fp16 copies of a plain step 
 session). :func:`isa` says which build runs; the name ``int4-vnni`` stays the kernel's (its layout and its method).
 
 It is compiled on first use with torch's ``cpp_extension`` (g++ and ninja; ~20 s, once per machine and torch
-version; ~40 s for the AVX2 build on a Zen 3) into the selfspec cache (``$SELFSPEC_CACHE/kernels``).
+version; ~40 s for the AVX2 build on a Zen 3) into the selfspec cache (``$SELFSPEC_CACHE/kernels``). The search
+starts the build in a thread (:func:`build_in_background`) while it fetches and loads the model.
 :func:`available` says whether it runs here: a Linux x86 CPU with AVX-512 F/BW/VL/VNNI, or with AVX2 and FMA, and a
 build that succeeded. Elsewhere, or with ``SELFSPEC_INT4_KERNEL=aten``, int4 drafts run torch's kernel (a failed
 build says so on stderr, once); runs record which (``int4_kernel`` in the machine fingerprint, ``draft_kernel`` in a
@@ -30,6 +31,7 @@ import os
 import platform
 import sys
 import sysconfig
+import threading
 from pathlib import Path
 
 import torch
@@ -81,10 +83,26 @@ def fits(in_features: int, group_size: int) -> bool:
     return group_size in GROUPS and in_features % BLOCK == 0 and in_features % group_size == 0
 
 
-@functools.cache
+_LOCK = threading.Lock()  # one build at a time: a caller that comes during a background build waits for it
+
+
 def _load():
     """(the kernel's operator namespace ``torch.ops.selfspec_vnni``, None, the build's name) or (None, why not, None);
     once per process."""
+    with _LOCK:
+        return _load_once()
+
+
+def build_in_background() -> threading.Thread:
+    """Start building (or loading) the kernel in a thread and return it: the compiler runs while the caller fetches
+    and loads a model. Join it before timing anything, so that no compile runs beside a measurement."""
+    thread = threading.Thread(target=_load, name="int4-kernel-build", daemon=True)
+    thread.start()
+    return thread
+
+
+@functools.cache
+def _load_once():
     if os.environ.get(ENV, "").lower() == "aten":
         return None, f"{ENV}=aten", None
     if platform.machine().lower() not in ("x86_64", "amd64"):
