@@ -32,6 +32,7 @@ import transformers
 from selfspec import DecodeConfig, SamplingParams, SkipPlan, autoregressive, self_speculative
 from selfspec.assets.tiny import TINY_ARCHS, tiny_model
 from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
@@ -142,7 +143,8 @@ def width_costs(model, device: torch.device, widths, reps: int, context: int = 5
 
 
 def ar_against_generate(model, device: torch.device, max_new: int, reps: int) -> dict:
-    """Our AR loop against transformers' generate: same model, prompt and token count, alternating, after a warm-up."""
+    """Our AR loop against transformers' generate: same model, attention, prompt and token count, alternating, after a
+    warm-up."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     prompt = list(range(1000, 1064))
     ids = torch.tensor([prompt], device=device)
@@ -150,8 +152,8 @@ def ar_against_generate(model, device: torch.device, max_new: int, reps: int) ->
     def ours() -> int:
         return len(autoregressive(model, prompt, DecodeConfig(max_new_tokens=max_new, fallback=False)).tokens)
 
-    def generate() -> int:
-        with torch.inference_mode():
+    def generate() -> int:  # on our decode attention, as the evaluation harness runs it (selfspec.eval.hf)
+        with torch.inference_mode(), decode_attention(model):
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                  min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
         return out.shape[1] - ids.shape[1]
