@@ -93,6 +93,19 @@ def test_round_costs_sets_measured_parts_beside_the_cost_models(tmp_path, tiny_s
     assert "seconds measured / modelled" in p.stdout
 
 
+def test_overhead_spread_measures_the_loop_overheads_again_and_again(tmp_path, tiny_study):
+    out = tmp_path / "spread.jsonl"
+    p = _script("overhead_spread.py", str(tiny_study), "--name", "tiny-llama-default", "--times", "2", "--reps", "1",
+                "--dtype", "float32", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(row["times"]) == 2 and row["reps"] == 1 and row["machine"] and row["formats"] >= 1
+    for k in ("draft_step_ms", "verify_ms"):
+        values = [t[k] for t in row["times"]]
+        assert row["spread"][k]["min"] == min(values) and row["spread"][k]["max"] == max(values)
+    assert "verify_ms: sd" in p.stdout
+
+
 def test_calibration_length_replays_the_study_at_its_own_length(tmp_path, tiny_study):
     from selfspec.assets.models import load_model
     from selfspec.draft.spec import DraftSpec

@@ -149,6 +149,42 @@ def test_the_cost_model_measures_quantized_heads_when_the_space_holds_them(tiny)
     assert not _costs_fit({"costs": {**costs.to_dict(), "version": COST_MODEL_VERSION - 1}}, space)
 
 
+def test_loop_overheads_scale_each_repetition_by_the_ar_runs_around_it(tiny, monkeypatch):
+    """Each repetition's draft runs are priced in units of the mean of the AR runs just before and after them, the
+    drafts in rotating order, after a short warm-up: fake runs with known seconds give known overheads."""
+    from types import SimpleNamespace
+
+    from selfspec.search import costs as cm
+
+    calls: list[str] = []
+    ar_steps = iter([9.9, 0.10, 0.30, 0.20])  # warm-up, then before rep 0, between reps 0 and 1, after rep 1
+
+    def fake_ar(model, prompt, cfg, stop_ids=()):
+        calls.append(f"ar/{cfg.max_new_tokens}")
+        return SimpleNamespace(stats=SimpleNamespace(step_time=next(ar_steps) * 4, plain_steps=4))
+
+    def fake_spec(model, prompt, plan, cfg, stop_ids=(), draft=None):
+        fmt = cm.weight_format(draft.options)
+        calls.append(f"{fmt}/{cfg.max_new_tokens}")
+        return SimpleNamespace(stats=SimpleNamespace(draft_time=0.05 * 6, drafted=6, verify_time=0.4, rounds=2))
+
+    monkeypatch.setattr(cm, "autoregressive", fake_ar)
+    monkeypatch.setattr(cm, "self_speculative", fake_spec)
+    costs = replace(COSTS, t_full=0.2, t_verify={4: 0.25})
+    formats = [DraftOptions(), DraftOptions(weights="int4", group_size=32)]
+    out = cm.loop_overheads(tiny, PROMPTS[0], costs, formats, reps=2, tokens=24)
+    assert calls == ["ar/4", "model/4", "int4-g32/4", "ar/24", "model/24", "int4-g32/24", "ar/24",
+                     "int4-g32/24", "model/24", "ar/24"]
+    # rep 0 in units of (0.10 + 0.30) / 2 = 0.2 s (scale 1), rep 1 of (0.30 + 0.20) / 2 = 0.25 s (scale 0.8)
+    step = {f: costs.step_time(DraftSpec(SkipPlan(COSTS.num_layers), DraftOptions(weights=o.weights,
+                                                                                 group_size=o.group_size), k=3))
+            for f, o in (("model", formats[0]), ("int4", formats[1]))}
+    draft = sorted(scale * 0.05 - step[f] for scale in (1.0, 0.8) for f in step)
+    assert out["draft_step"] == pytest.approx((draft[1] + draft[2]) / 2)
+    assert out["verify"] == pytest.approx((1.0 * 0.2 + 0.8 * 0.2) / 2 - 0.25)
+    assert out["plain_step"] == 0.0 and out["adaptive_step"] > 0
+
+
 def test_a_copy_only_draft_in_the_space_is_one_draft_per_copy_setting():
     space = SearchSpace(6)
     only = DraftSpec(SkipPlan(6), DraftOptions(ngram=2, min_ngram=1, copy_tokens=5, copy_candidates=3, tree_nodes=6,

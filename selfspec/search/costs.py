@@ -38,6 +38,7 @@ from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import DecodeConfig, autoregressive, forward_at, self_speculative
 from selfspec.engine.stats import Clock
+from selfspec.eval.harness import rotated
 from selfspec.search.simulate import RoundCounts
 
 # The way costs are measured; a saved cost model of another version is measured again. 2: each draft path
@@ -45,8 +46,9 @@ from selfspec.search.simulate import RoundCounts
 # as the last path built on the model, and every head as the last one prepared). 3: the loop's overhead per
 # draft step pooled over the weight formats, the adaptive exit's own work and the draft heads timed alone
 # (version 2 took them from differences of whole runs or forwards: -26 to +27 ms for a softmax that costs
-# under 1 ms, 3 to 13 ms saved by one int4 head).
-COST_MODEL_VERSION = 3
+# under 1 ms, 3 to 13 ms saved by one int4 head). 4: the loop overheads scale each repetition by the mean of
+# the AR runs just before and just after it (version 3: by one AR run before it), after a short warm-up.
+COST_MODEL_VERSION = 4
 
 
 def weight_format(options: DraftOptions) -> str:
@@ -239,7 +241,7 @@ def time_heads(paths: dict[str, DraftPath], hidden: torch.Tensor, reps: int, clo
 def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[DraftOptions], stop_ids=(),
                    reps: int = 3, tokens: int = 24) -> dict[str, float]:
     """What a step costs in the decoding loop beyond the modelled forward, from short real runs
-    (interleaved, medians over ``reps`` after a warm-up).
+    (medians over ``reps`` repetitions after a short warm-up).
 
     A plain autoregressive step against ``t_full``; per weight format, a draft step of a draft
     with every sublayer kept (k=3, greedy, no fallback) against its modelled step, and its verify
@@ -249,10 +251,15 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
     per draft step (a softmax over the vocabulary for the confidence) is timed alone
     (:func:`confidence_cost`): as the difference of two real runs it was lost in their noise.
 
-    The runs of each repetition are first scaled by ``t_full`` over that repetition's own plain
-    step: these runs come minutes after the forwards were timed, and the machine's speed drifts
-    between the two (a speedup needs only the ratios). The plain step's overhead is therefore 0,
-    and the others say what the loop adds or saves relative to a plain step.
+    The runs of each repetition are scaled by ``t_full`` over the loop's own plain step: these runs
+    come minutes after the forwards were timed, and the machine's speed drifts between the two (a
+    speedup needs only the ratios). So the plain step's overhead is 0, and the others say what the
+    loop adds or saves relative to a plain step. That plain step is the mean of two autoregressive
+    runs, one just before and one just after the repetition's draft runs (each AR run but the first
+    and the last serves two repetitions), and the drafts run in rotating order: one AR run a
+    repetition, as its only reference, moved every overhead of the repetition by its own noise
+    (a 24-token AR run's step varied by +-9% within a minute on a shared 2-core VM, and the verify
+    overhead measured that way read -14 to +8 ms over eight measurements: results/PERF.md).
     """
     n = costs.num_layers
     base = DecodeConfig(max_new_tokens=tokens, k=3, fallback=False)
@@ -265,13 +272,24 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
     def add(name: str, value: float) -> None:
         samples.setdefault(name, []).append(value)
 
-    for rep in range(reps + 1):
-        ar = autoregressive(model, prompt, base, stop_ids).stats
-        runs = {fmt: self_speculative(model, prompt, spec.plan, base, stop_ids, draft=paths[fmt]).stats
-                for fmt, spec in specs.items()}
-        if not rep or not ar.plain_steps or not all(r.rounds for r in runs.values()):
-            continue  # repetition 0 is the warm-up
-        scale = costs.t_full / (ar.step_time / ar.plain_steps)  # this repetition's seconds -> the forwards' pass
+    def ar_step(cfg: DecodeConfig = base) -> float | None:
+        st = autoregressive(model, prompt, cfg, stop_ids).stats
+        return st.step_time / st.plain_steps if st.plain_steps else None
+
+    def speculate(fmt: str, cfg: DecodeConfig = base):
+        return self_speculative(model, prompt, specs[fmt].plan, cfg, stop_ids, draft=paths[fmt]).stats
+
+    warm = replace(base, max_new_tokens=4)  # kernels, the draft weights and heads in place, caches touched
+    ar_step(warm)
+    for fmt in specs:
+        speculate(fmt, warm)
+    before = ar_step()
+    for rep in range(reps):
+        runs = {fmt: speculate(fmt) for fmt in rotated(list(specs), rep)}
+        start, before = before, ar_step()  # the AR run after this repetition comes before the next one
+        if start is None or before is None or not all(r.rounds for r in runs.values()):
+            continue
+        scale = costs.t_full / ((start + before) / 2)  # this repetition's seconds -> the forwards' pass
         add("plain_step", 0.0)
         for fmt, st in runs.items():
             add("draft_step", scale * st.draft_time / st.drafted - costs.step_time(specs[fmt]))
