@@ -18,12 +18,11 @@ import argparse
 import json
 from pathlib import Path
 
-from selfspec.assets.models import load_model
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig, autoregressive
 from selfspec.provenance import git_commit, machine_fingerprint
 from selfspec.search.costs import CostModel
-from selfspec.search.pipeline import study_calibration
+from selfspec.search.pipeline import replay_study
 from selfspec.search.simulate import RoundSimulator
 
 
@@ -51,10 +50,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="the model's dtype, as the search ran it")
     ap.add_argument("--out", default="results/calibration_length.jsonl")
     args = ap.parse_args()
-    name = args.name or Path(args.study).stem
-    saved = study_calibration(args.study, name)
-    costs = CostModel.from_dict(saved["costs"])
-    lm = load_model(saved["key"]["model"], dtype=args.dtype)
+    name, saved, costs, lm = replay_study(args.study, args.name, args.dtype)
     drafts = [DraftSpec.load(f) for f in args.draft]
     rows = predictions(lm, saved["key"]["prompts"], drafts, costs, args.tokens)
     print(f"{len(saved['key']['prompts'])} calibration prompts of {name}; prices: the study's cost model "

@@ -18,13 +18,11 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
-from selfspec.assets.models import load_model
 from selfspec.draft.path import DraftOptions
 from selfspec.provenance import git_commit, machine_fingerprint
 from selfspec.search.costs import CostModel, loop_overheads
-from selfspec.search.pipeline import study_calibration
+from selfspec.search.pipeline import replay_study
 
 
 def formats_of(costs: CostModel) -> list[DraftOptions]:
@@ -43,10 +41,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="the model's dtype, as the search ran it")
     ap.add_argument("--out", default="results/overhead_spread.jsonl")
     args = ap.parse_args()
-    name = args.name or Path(args.study).stem
-    saved = study_calibration(args.study, name)
-    costs = CostModel.from_dict(saved["costs"])
-    lm = load_model(saved["key"]["model"], dtype=args.dtype)
+    name, saved, costs, lm = replay_study(args.study, args.name, args.dtype)
     context = saved["key"]["prompts"][0] + saved["continuations"][0]
     formats = formats_of(costs)
     rows = []

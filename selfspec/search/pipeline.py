@@ -23,7 +23,7 @@ import optuna
 from tqdm.auto import tqdm
 
 from selfspec.assets.data import PromptSet
-from selfspec.assets.models import LoadedModel, encode_prompt
+from selfspec.assets.models import LoadedModel, encode_prompt, load_model
 from selfspec.draft.path import DraftOptions
 from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
@@ -403,6 +403,14 @@ def study_calibration(storage: str, study_name: str) -> dict:
     if "continuations" not in saved:
         raise SelfSpecError(f"study {study_name!r} in {storage} has not been calibrated yet")
     return saved
+
+
+def replay_study(storage: str, study_name: str | None, dtype: str) -> tuple[str, dict, CostModel, LoadedModel]:
+    """For scripts that replay a study: its name (``None``: the storage file's stem), its calibration
+    (:func:`study_calibration`), its saved cost model, and its model loaded in ``dtype``."""
+    name = study_name or Path(storage).stem
+    saved = study_calibration(storage, name)
+    return name, saved, CostModel.from_dict(saved["costs"]), load_model(saved["key"]["model"], dtype=dtype)
 
 
 def _costs_fit(saved: dict, space: SearchSpace) -> bool:
