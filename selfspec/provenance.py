@@ -51,7 +51,8 @@ def machine_fingerprint() -> dict:
 
 
 def _int4_kernel() -> str:
-    """Which int4 draft kernel runs here, and whether kept sublayers run fused (either changes a draft's cost)."""
+    """Which int4 draft kernel runs here, and whether kept sublayers run fused, whole draft steps included (either
+    changes a draft's cost; "fused sublayers" was the form before fused.FusedStep)."""
     from selfspec.draft import fused, vnni
 
     if not vnni.available():
@@ -59,7 +60,7 @@ def _int4_kernel() -> str:
     name = "int4-vnni" if vnni.isa() == "avx512-vnni" else f"int4-vnni on {vnni.isa()}"  # AVX-512: as it always read
     revision = vnni.REVISIONS[vnni.isa()]
     name += f" r{revision}" if revision > 1 else ""
-    return f"{name}, fused sublayers" if fused.enabled() else name
+    return f"{name}, fused draft steps" if fused.enabled() else name
 
 
 def provenance(extra: dict | None = None) -> dict:

@@ -33,6 +33,7 @@ def test_fused_sublayers_compute_what_the_modules_compute(arch, rows):
     model = _model(arch)
     path = DraftPath(model, SkipPlan(model.config.num_hidden_layers), OPTIONS)
     assert len(path.fused) == 2 * model.config.num_hidden_layers
+    path.step = None  # the draft step through the modules, so that the hooks see each sublayer's inputs
     assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped heads
     layer = model.model.layers[1]
     seen = {}
@@ -69,6 +70,7 @@ def test_greedy_output_through_fused_sublayers_is_ar_output(arch):
     ar = autoregressive(model, PROMPT + PROMPT, cfg)
     path = DraftPath(model, plan, OPTIONS, stop_ids=(2,))
     assert len(path.fused) == 2 * model.config.num_hidden_layers - 2  # the kept sublayers
+    assert path.step is not None  # draft steps run as one call per kept sublayer (FusedStep)
     sp = self_speculative(model, PROMPT + PROMPT, plan, cfg, draft=path)
     assert sp.tokens == ar.tokens and sp.stats.drafted > 0
 
@@ -103,3 +105,62 @@ def test_fused_sublayers_apply_only_where_the_code_computes_them(monkeypatch):
     assert "fused" not in OPTIONS.record()  # the default, unrecorded: runs of before resume
     monkeypatch.setenv(fused.ENV, "0")
     assert DraftPath(_model("qwen2"), plan, OPTIONS).fused == []
+
+
+def _base_calls(model) -> list:
+    calls = []
+    model.model.register_forward_hook(lambda *a: calls.append(1) and None)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_fused_draft_step_computes_what_the_model_computes(arch, rows):
+    """A whole draft step through FusedStep (a call per kept sublayer, its norm and residual add included, skipped
+    sublayers left out) against the same draft through the model's modules with the fused sublayers: the same logits
+    and the same cache rows up to bf16 rounding, and the model's own forward is not run."""
+    model = _model(arch)
+    plan = SkipPlan(model.config.num_hidden_layers, attn=[1], mlp=[0])
+    path = DraftPath(model, plan, OPTIONS)
+    step = path.step
+    assert step is not None and len(step.blocks) == 2 * model.config.num_hidden_layers - 2
+    ids = torch.tensor(PROMPT * 3)
+    calls = _base_calls(model)
+    got = {}
+    with torch.inference_mode():
+        for name, use in (("modules", None), ("step", step)):
+            cache = PositionalKVCache(model, max_len=64)
+            forward_at(model, cache, ids[:20], 0, keep=1)
+            path.step = use
+            calls.clear()
+            with path.drafting():
+                assert fused.draft_step(model) is use
+                logits = forward_at(model, cache, ids[20:20 + rows], 20, keep=rows)
+            assert fused.draft_step(model) is None  # switched off with the block
+            got[name] = (logits, len(calls), [(lay.keys[:, :, :20 + rows].clone(), lay.values[:, :, :20 + rows].clone())
+                                             for lay in cache.layers])
+    (slow, slow_calls, slow_kv), (fast, fast_calls, fast_kv) = got["modules"], got["step"]
+    assert slow_calls == 1 and fast_calls == 0
+    assert fast.shape == slow.shape == (rows, model.config.vocab_size) and fast.dtype == slow.dtype
+    assert _rel(fast, slow) < 2e-2
+    for (k_slow, v_slow), (k_fast, v_fast) in zip(slow_kv, fast_kv):
+        assert _rel(k_fast, k_slow) < 2e-2 and _rel(v_fast, v_slow) < 2e-2
+
+
+def test_a_fused_draft_step_runs_only_where_it_computes_the_forward():
+    qwen = _model("qwen2")
+    plan = SkipPlan(qwen.config.num_hidden_layers)
+    path = DraftPath(qwen, plan, OPTIONS)
+    cache = PositionalKVCache(qwen, max_len=32)
+    ids = torch.tensor(PROMPT)
+    with torch.inference_mode(), path.drafting():
+        cache.seek(4, 1, causal=False)  # a forward with its own mask (a tree's verify, the search's chunks)
+        assert path.step(ids[:1], 4, cache, 1) is None
+        cache.seek(4, 1)
+        assert path.step(ids[:1], 5, cache, 1) is None  # positions that are not the slots the cache was sought to
+        assert path.step(ids[:1], 4, None, 1) is None
+        assert path.step(ids[:1], 4, cache, 1) is not None
+    assert DraftPath(qwen, plan, DraftOptions(weights="int8")).step is None  # no fused sublayers
+    assert DraftPath(qwen, plan, DraftOptions(weights="int4", group_size=128, fused=False)).step is None
+    gemma = _model("gemma3")
+    assert DraftPath(gemma, SkipPlan(gemma.config.num_hidden_layers), OPTIONS).step is None

@@ -18,6 +18,12 @@ off.
 
 Each call is switched on by :meth:`selfspec.draft.path.DraftPath.drafting` through the sublayer's
 :class:`~selfspec.draft.skip.SkippableSublayer` (its ``fast`` attribute); no transformers module is changed.
+
+Where every kept sublayer of a draft runs fused, the whole draft step can skip the modeling code around them too
+(:class:`FusedStep`): the decoder layers' norms, residual adds and Python cost a 1.5B int4 draft step ~10 ms of ~67
+(results/PERF.md, twenty-ninth session). :meth:`~selfspec.draft.path.DraftPath.drafting` puts it on the model
+instance (:func:`draft_step`) and :func:`selfspec.engine.decoding.forward_at` runs a causal draft forward on the
+positional cache through it; any other forward goes through the model as before.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from selfspec.draft.lowbit import LowPrecisionLinear
 from selfspec.engine.cache import PositionalKVCache
 
 ENV = "SELFSPEC_FUSED_DRAFT"  # 0: draft through the modules
+STEP = "_selfspec_draft_step"  # the model instance's FusedStep while a path that has one drafts
 ARCHS = ("llama", "qwen2")  # decoder layers whose attention and MLP this code computes (tests/test_fused.py)
 
 
@@ -150,3 +157,82 @@ def mlp_for(model: nn.Module, mlp: nn.Module, key: tuple[str, int]) -> FusedMLP 
     if gate_up is None or down is None or gate_up[4] is not None:
         return None
     return FusedMLP(key, gate_up, down)
+
+
+def draft_step(model: nn.Module) -> FusedStep | None:
+    """The :class:`FusedStep` switched on for ``model`` (inside a drafting block of a path that has one), else None."""
+    return model.__dict__.get(STEP)
+
+
+def _rms_norm(module: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """(weight, eps) of a Llama/Qwen2 RMSNorm in bf16, which the block operators compute as transformers does."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if not type(module).__name__.endswith("RMSNorm") or weight is None or eps is None or weight.dtype != torch.bfloat16:
+        return None
+    return weight.detach().contiguous(), float(eps)
+
+
+class FusedStep:
+    """A whole draft step of a Llama/Qwen2 model whose kept sublayers all run fused (:func:`step_for` builds it).
+
+    What the model's forward computes for a causal forward on the positional cache, without its modeling code around
+    the sublayers: the embedding and the rotary embedding through the model's own modules, then, per kept sublayer in
+    order, one C++ call that computes the sublayer's RMSNorm, the sublayer, and adds it to the residual stream
+    (``draft_attention_block``, ``draft_mlp_block``: the fused calls above with the norm and the add rounded as the
+    modules round them), then the final norm and the head (the draft's cut or low-precision head, as it is switched
+    on) on the last ``keep`` rows. A skipped sublayer is the identity, as in the model.
+    """
+
+    def __init__(self, model: nn.Module, base: nn.Module, blocks: list[tuple]) -> None:
+        self.model = model
+        self.base = base  # embed_tokens, rotary_emb, norm
+        self.blocks = blocks  # ("attn", norm weight, eps, FusedAttention) | ("mlp", norm weight, eps, FusedMLP)
+
+    def __call__(self, tokens: torch.Tensor, start: int, cache, keep: int) -> torch.Tensor | None:
+        """The logits ``[keep, V]`` of the last ``keep`` of ``tokens`` at positions ``start..``, their keys/values
+        written to ``cache``; None where this forward is not one this step computes (the caller runs the model)."""
+        n = tokens.numel()
+        if _window(cache, 0, n) is None or cache.window.start != start:
+            return None
+        ids = tokens.reshape(1, n)
+        h = self.base.embed_tokens(ids)
+        if h.dtype != torch.bfloat16:
+            return None
+        cos, sin = self.base.rotary_emb(h, torch.arange(start, start + n, device=ids.device)[None])
+        if cos.dtype != torch.bfloat16:
+            return None
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        x = h[0]
+        ops = torch.ops.selfspec_vnni
+        for kind, weight, eps, sub in self.blocks:
+            if kind == "attn":
+                lay = cache.layers[sub.layer]
+                x = ops.draft_attention_block(x, weight, eps, sub.qkv_w, sub.qkv_sz, sub.qkv_bias, sub.o_w, sub.o_sz,
+                                              sub.group, cos, sin, lay.keys[0], lay.values[0], start, sub.heads,
+                                              sub.kv_heads, sub.scale)
+            else:
+                x = ops.draft_mlp_block(x, weight, eps, sub.gu_w, sub.gu_sz, sub.down_w, sub.down_sz, sub.group)
+        x = self.base.norm(x[-keep:][None])
+        return self.model.get_output_embeddings()(x)[0]
+
+
+def step_for(model: nn.Module, layers, plan, fast: dict[int, object]) -> FusedStep | None:
+    """The :class:`FusedStep` of a draft with skip ``plan`` over decoder ``layers``, whose kept sublayers' fused forms
+    are ``fast`` (keyed by the id of the sublayer's skip wrapper), or None where any kept sublayer or the model's
+    structure is one it does not compute."""
+    base = getattr(model, "model", None)
+    if (not enabled() or model.config.model_type not in ARCHS or base is None
+            or any(getattr(base, name, None) is None for name in ("embed_tokens", "rotary_emb", "norm"))
+            or getattr(base, "layers", None) is None or base.layers[0] is not layers[0]):
+        return None
+    blocks = []
+    for i, layer in enumerate(layers):
+        for kind, sub, norm, off in (("attn", layer.self_attn, layer.input_layernorm, plan.attn),
+                                     ("mlp", layer.mlp, layer.post_attention_layernorm, plan.mlp)):
+            if i in off:
+                continue
+            fused, rms = fast.get(id(sub)), _rms_norm(norm)
+            if fused is None or rms is None:
+                return None
+            blocks.append((kind, *rms, fused))
+    return FusedStep(model, base, blocks)

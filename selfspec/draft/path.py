@@ -83,6 +83,9 @@ class DraftOptions:
     # kept Llama/Qwen2 sublayers whose int4 copies run on the VNNI kernel draft as one C++ call each
     # (selfspec.draft.fused; the same numbers up to rounding); False: through the modules, e.g. to measure what it adds
     fused: bool = True
+    # with fused sublayers, a whole draft step of a Llama/Qwen2 model as one call per kept sublayer, its norm and
+    # residual add included (selfspec.draft.fused.FusedStep); False: the fused calls inside the model's forward
+    fused_step: bool = True
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
@@ -102,7 +105,7 @@ class DraftOptions:
         if self.copy_fallback and not 0 < self.copy_fallback < shortest:
             raise SelfSpecError(f"copy_fallback must be between 1 and {shortest - 1} (below the shortest match "
                                 f"copied: ngram={self.ngram}, min_ngram={self.min_ngram}), got {self.copy_fallback}")
-        for name in ("model_draft", "fused"):
+        for name in ("model_draft", "fused", "fused_step"):
             if not isinstance(getattr(self, name), bool):
                 raise SelfSpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not self.model_draft and not self.ngram:
@@ -123,7 +126,7 @@ class DraftOptions:
         """The options as a run records them (None for the plan-only draft).
 
         ``copy_tokens``, ``min_ngram``, ``copy_per_match``, ``copy_fallback``, ``head_weights``, ``model_draft``,
-        ``fused`` and the tree options appear only when set, so runs recorded before they existed still resume.
+        ``fused``, ``fused_step`` and the tree options appear only when set, so runs recorded before they existed still resume.
         """
         if self.plain and not self.ngram and not self.tree:
             return None
@@ -142,6 +145,8 @@ class DraftOptions:
             del rec["model_draft"]
         if self.fused:
             del rec["fused"]
+        if self.fused_step:
+            del rec["fused_step"]
         if not self.tree:
             for name in ("copy_candidates", "branch_below", "tree_nodes"):
                 del rec[name]
@@ -184,6 +189,9 @@ class DraftPath:
                         fast = fuse(model, sub.inner, key) if options.fused else None
                         if fast is not None:
                             self.fused.append((sub, fast))
+        # the whole draft step as one call per kept sublayer, where every kept one runs fused (fused.FusedStep)
+        self.step = fused.step_for(model, self.skipper.arch.layers, plan, {id(sub): fast for sub, fast in self.fused}) \
+            if options.weights != "model" and options.fused and options.fused_step else None
         self.head: CutHead | None = None
         self.base_ids: torch.Tensor | None = None
         self.head_low: tuple | None = None  # the quantized copy of the head's base rows (head_weights)
@@ -251,6 +259,8 @@ class DraftPath:
                     set_plain(lin, active=True)
                 for sub, fast in self.fused:
                     set_plain(sub, fast=fast)
+                if self.step is not None:
+                    set_plain(self.model, **{fused.STEP: self.step})
                 if self.head is not None:
                     if self.head_choice is None:  # no request prepared yet: the base ids alone
                         self.choose_head(self.base_ids)
@@ -264,5 +274,6 @@ class DraftPath:
                         lin.shared.forget()
                 for sub, _ in self.fused:
                     set_plain(sub, fast=None)
+                set_plain(self.model, **{fused.STEP: None})
                 if self.head is not None:
                     set_plain(self.head, active=False)

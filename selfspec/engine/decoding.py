@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.draft.copy import NGramIndex
+from selfspec.draft.fused import draft_step
 from selfspec.draft.packed import default_rows, packed_weights
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.plan import SkipPlan
@@ -170,6 +171,11 @@ def forward_at(model, cache: PositionalKVCache, tokens: torch.Tensor, start: int
         pos = positions[:, start : start + width]
     if attention_mask is None and cache.fixed_keys:
         attention_mask = causal_mask(model, start, width, cache.max_len, tokens.device)
+    step = draft_step(model) if attention_mask is None and position_ids is None and pad <= 0 else None
+    if step is not None:  # a draft forward whose kept sublayers all run fused (selfspec.draft.fused.FusedStep)
+        logits = step(tokens, start, cache, keep)
+        if logits is not None:
+            return logits
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     out = model(input_ids=tokens.reshape(1, width), position_ids=pos, **cache_kwargs(model, cache),
                 use_cache=True, logits_to_keep=keep + max(pad, 0), **kwargs)

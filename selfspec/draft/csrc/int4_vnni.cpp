@@ -447,6 +447,60 @@ torch::Tensor draft_mlp(const torch::Tensor& h, const torch::Tensor& gu_w, const
   return int4_mm(act, down_w, down_sz, G);
 }
 
+namespace {
+
+// Llama/Qwen2 RMSNorm as transformers computes it: in fp32, x * rsqrt(mean(x^2) + eps), rounded to bf16, times the
+// bf16 weight (rounded again). h [R, E] bf16 -> [R, E] bf16.
+torch::Tensor rms_norm(const torch::Tensor& h, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(h.scalar_type() == torch::kBFloat16 && h.dim() == 2 && h.is_contiguous(), "h: contiguous bf16 [R, E]");
+  const int64_t R = h.size(0), E = h.size(1);
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.numel() == E, "norm weight: bf16 [E]");
+  auto out = torch::empty({R, E}, torch::kBFloat16);
+  const at::BFloat16* X = h.data_ptr<at::BFloat16>();
+  const at::BFloat16* W = w.data_ptr<at::BFloat16>();
+  at::BFloat16* Y = out.data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < R; ++r) {
+    const at::BFloat16* x = X + r * E;
+    float sq = 0.f;
+    for (int64_t i = 0; i < E; ++i) sq += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+    const float inv = 1.f / std::sqrt(sq / static_cast<float>(E) + static_cast<float>(eps));
+    for (int64_t i = 0; i < E; ++i) {
+      const float normed = static_cast<float>(at::BFloat16(static_cast<float>(x[i]) * inv));
+      Y[r * E + i] = at::BFloat16(static_cast<float>(W[i]) * normed);
+    }
+  }
+  return out;
+}
+
+// y = h + y in bf16, as the decoder layer adds a sublayer's output to the residual stream.
+torch::Tensor add_residual(const torch::Tensor& h, torch::Tensor y) {
+  TORCH_CHECK(y.sizes() == h.sizes() && y.is_contiguous(), "a sublayer's output has the residual's shape");
+  const at::BFloat16* X = h.data_ptr<at::BFloat16>();
+  at::BFloat16* Y = y.data_ptr<at::BFloat16>();
+  for (int64_t i = 0, n = h.numel(); i < n; ++i) Y[i] = at::BFloat16(static_cast<float>(X[i]) + static_cast<float>(Y[i]));
+  return y;
+}
+
+}  // namespace
+
+// A kept sublayer with its norm and residual (selfspec/draft/fused.py, FusedStep): h + sublayer(rms_norm(h)).
+torch::Tensor draft_attention_block(const torch::Tensor& h, const torch::Tensor& norm_w, double eps,
+                                    const torch::Tensor& qkv_w, const torch::Tensor& qkv_sz,
+                                    const c10::optional<torch::Tensor>& qkv_bias, const torch::Tensor& o_w,
+                                    const torch::Tensor& o_sz, int64_t G, const torch::Tensor& cos,
+                                    const torch::Tensor& sin, torch::Tensor kc, torch::Tensor vc, int64_t start,
+                                    int64_t heads, int64_t kv_heads, double scale) {
+  torch::Tensor y = draft_attention(rms_norm(h, norm_w, eps), qkv_w, qkv_sz, qkv_bias, o_w, o_sz, G, cos, sin, kc, vc,
+                                    start, heads, kv_heads, scale);
+  return add_residual(h, y);
+}
+
+torch::Tensor draft_mlp_block(const torch::Tensor& h, const torch::Tensor& norm_w, double eps,
+                              const torch::Tensor& gu_w, const torch::Tensor& gu_sz, const torch::Tensor& down_w,
+                              const torch::Tensor& down_sz, int64_t G) {
+  return add_residual(h, draft_mlp(rms_norm(h, norm_w, eps), gu_w, gu_sz, down_w, down_sz, G));
+}
+
 // Torch operators (torch.ops.selfspec_vnni.*), so that the profiler and the dispatcher see them like torch's own.
 TORCH_LIBRARY(selfspec_vnni, m) {
   m.def("int4_mm(Tensor x, Tensor w, Tensor sz, int group_size) -> Tensor");
@@ -454,9 +508,16 @@ TORCH_LIBRARY(selfspec_vnni, m) {
         "int group_size, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, int start, int heads, int kv_heads, "
         "float scale) -> Tensor");
   m.def("draft_mlp(Tensor h, Tensor gu_w, Tensor gu_sz, Tensor down_w, Tensor down_sz, int group_size) -> Tensor");
+  m.def("draft_attention_block(Tensor h, Tensor norm_w, float eps, Tensor qkv_w, Tensor qkv_sz, Tensor? qkv_bias, "
+        "Tensor o_w, Tensor o_sz, int group_size, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, int start, "
+        "int heads, int kv_heads, float scale) -> Tensor");
+  m.def("draft_mlp_block(Tensor h, Tensor norm_w, float eps, Tensor gu_w, Tensor gu_sz, Tensor down_w, "
+        "Tensor down_sz, int group_size) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(selfspec_vnni, CPU, m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("draft_attention", &draft_attention);
   m.impl("draft_mlp", &draft_mlp);
+  m.impl("draft_attention_block", &draft_attention_block);
+  m.impl("draft_mlp_block", &draft_mlp_block);
 }
