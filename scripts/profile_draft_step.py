@@ -8,7 +8,8 @@ attention, as decoding runs them: ``--k`` steps (positions keys .. keys+k-1) ins
 round's draft. Prints the median wall time of a step (a round's over k, unprofiled), then the profiler's operator
 self-time table over ``--steps`` rounds, and appends one JSON line to --out: the step's wall time, the operators'
 summed self time per step, the int4 products' share, the fused sublayers' (selfspec.draft.fused: one operator per
-kept sublayer, its products included; ``SELFSPEC_FUSED_DRAFT=0`` drafts through the modules instead), and the rest
+kept sublayer, its products included, and with the fused draft step its norm and residual add too;
+``SELFSPEC_FUSED_DRAFT=0`` drafts through the modules instead), and the rest
 (what the step spends outside operators: Python, module calls, the profiler's own cost).
 """
 
@@ -32,7 +33,9 @@ from selfspec.engine.stats import Clock
 from selfspec.provenance import git_commit, machine_fingerprint
 
 PRODUCTS = ("selfspec_vnni::int4_mm", "_weight_int4pack_mm_for_cpu")
-FUSED = ("selfspec_vnni::draft_attention", "selfspec_vnni::draft_mlp")  # whole sublayers, products included
+# whole sublayers, products included (the _block forms, a fused draft step's, also hold the norm and residual add)
+FUSED = ("selfspec_vnni::draft_attention", "selfspec_vnni::draft_mlp", "selfspec_vnni::draft_attention_block",
+         "selfspec_vnni::draft_mlp_block")
 
 
 def main() -> None:
