@@ -19,16 +19,9 @@ import json
 import statistics
 import time
 
-from selfspec.draft.path import DraftOptions
 from selfspec.provenance import git_commit, machine_fingerprint
-from selfspec.search.costs import CostModel, loop_overheads
+from selfspec.search.costs import formats_of, loop_overheads
 from selfspec.search.pipeline import replay_study
-
-
-def formats_of(costs: CostModel) -> list[DraftOptions]:
-    """The draft weight formats the cost model holds (its keys: ``model``, ``int8``, ``int4-g<group>``)."""
-    return [DraftOptions(weights="int4", group_size=int(key.removeprefix("int4-g"))) if key.startswith("int4-g")
-            else DraftOptions(weights=key) for key in costs.draft]
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from selfspec.assets.tiny import TINY_VOCAB, tiny_model
 from selfspec.draft.path import DraftOptions
 from selfspec.draft.spec import DraftSpec
 from selfspec.search import workers
-from selfspec.search.costs import COST_MODEL_VERSION, CostModel, SublayerCosts
+from selfspec.search.costs import COST_MODEL_VERSION, CostModel, SublayerCosts, formats_of, weight_format
 from selfspec.search.simulate import RoundCounts, RoundSimulator
 from selfspec.search.space import DraftDims, SearchSpace
 from selfspec.search.study import (
@@ -147,6 +147,13 @@ def test_the_cost_model_measures_quantized_heads_when_the_space_holds_them(tiny)
     assert costs.version == COST_MODEL_VERSION and {"plain_step", "draft_step", "verify"} <= set(costs.overhead)
     assert 0 < costs.overhead["adaptive_step"] < costs.t_full
     assert not _costs_fit({"costs": {**costs.to_dict(), "version": COST_MODEL_VERSION - 1}}, space)
+
+
+def test_formats_of_a_cost_model_are_the_formats_its_keys_name():
+    formats = [DraftOptions(), DraftOptions(weights="int8"), DraftOptions(weights="int4", group_size=32),
+               DraftOptions(weights="int4", group_size=128)]
+    costs = replace(COSTS, draft={weight_format(o): SublayerCosts(0.01, 0.001, 0.002) for o in formats})
+    assert formats_of(costs) == formats
 
 
 def test_loop_overheads_scale_each_repetition_by_the_ar_runs_around_it(tiny, monkeypatch):

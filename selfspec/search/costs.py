@@ -56,6 +56,12 @@ def weight_format(options: DraftOptions) -> str:
     return f"int4-g{options.group_size}" if options.weights == "int4" else options.weights
 
 
+def formats_of(costs: CostModel) -> list[DraftOptions]:
+    """The draft weight formats ``costs`` holds, one :class:`DraftOptions` a key (:func:`weight_format`'s inverse)."""
+    return [DraftOptions(weights="int4", group_size=int(key.removeprefix("int4-g"))) if key.startswith("int4-g")
+            else DraftOptions(weights=key) for key in costs.draft]
+
+
 def head_format(options: DraftOptions) -> str:
     """The cost model's key of a quantized draft head (``head_low``)."""
     return f"{options.head_tokens}/" + weight_format(replace(options, weights=options.head_weights))
