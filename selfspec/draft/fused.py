@@ -107,10 +107,23 @@ class FusedAttention:
         cos, sin = emb
         if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:  # the operator takes the model's bf16
             return None
-        out = torch.ops.selfspec_vnni.draft_attention(
-            h[0].contiguous(), self.qkv_w, self.qkv_sz, self.qkv_bias, self.o_w, self.o_sz, self.group,
-            cos[0].contiguous(), sin[0].contiguous(), kc, vc, start, self.heads, self.kv_heads, self.scale)
+        out = torch.ops.selfspec_vnni.draft_attention(h[0].contiguous(), *self._weights(),
+                                                      *self._rest(cos[0].contiguous(), sin[0].contiguous(), kc, vc,
+                                                                  start))
         return out[None], None
+
+    def block(self, x: torch.Tensor, norm: tuple, rope: tuple, cache, start: int) -> torch.Tensor:
+        """``x + attention(rms_norm(x))`` for the rows ``x`` [R, E] at slots ``start..`` (a :class:`FusedStep`'s
+        call; ``norm``: the input norm's (weight, eps), ``rope``: the rows' (cos, sin) [R, D])."""
+        lay = cache.layers[self.layer]
+        return torch.ops.selfspec_vnni.draft_attention_block(x, *norm, *self._weights(),
+                                                            *self._rest(*rope, lay.keys[0], lay.values[0], start))
+
+    def _weights(self) -> tuple:
+        return self.qkv_w, self.qkv_sz, self.qkv_bias, self.o_w, self.o_sz, self.group
+
+    def _rest(self, cos, sin, kc, vc, start: int) -> tuple:
+        return cos, sin, kc, vc, start, self.heads, self.kv_heads, self.scale
 
 
 class FusedMLP:
@@ -129,6 +142,12 @@ class FusedMLP:
         out = torch.ops.selfspec_vnni.draft_mlp(h.reshape(-1, shape[-1]).contiguous(), self.gu_w, self.gu_sz,
                                                 self.down_w, self.down_sz, self.group)
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    def block(self, x: torch.Tensor, norm: tuple, rope: tuple, cache, start: int) -> torch.Tensor:
+        """``x + mlp(rms_norm(x))`` for the rows ``x`` [R, E] (:meth:`FusedAttention.block`'s arguments; ``norm``:
+        the post-attention norm's (weight, eps), the rest unused)."""
+        return torch.ops.selfspec_vnni.draft_mlp_block(x, *norm, self.gu_w, self.gu_sz, self.down_w, self.down_sz,
+                                                      self.group)
 
 
 def attention_for(model: nn.Module, attn: nn.Module, key: tuple[str, int]) -> FusedAttention | None:
@@ -186,7 +205,7 @@ class FusedStep:
     def __init__(self, model: nn.Module, base: nn.Module, blocks: list[tuple]) -> None:
         self.model = model
         self.base = base  # embed_tokens, rotary_emb, norm
-        self.blocks = blocks  # ("attn", norm weight, eps, FusedAttention) | ("mlp", norm weight, eps, FusedMLP)
+        self.blocks = blocks  # (the norm's (weight, eps), FusedAttention | FusedMLP), kept sublayers in order
 
     def __call__(self, tokens: torch.Tensor, start: int, cache, keep: int) -> torch.Tensor | None:
         """The logits ``[keep, V]`` of the last ``keep`` of ``tokens`` at positions ``start..``, their keys/values
@@ -201,17 +220,10 @@ class FusedStep:
         cos, sin = self.base.rotary_emb(h, torch.arange(start, start + n, device=ids.device)[None])
         if cos.dtype != torch.bfloat16:
             return None
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        rope = cos[0].contiguous(), sin[0].contiguous()
         x = h[0]
-        ops = torch.ops.selfspec_vnni
-        for kind, weight, eps, sub in self.blocks:
-            if kind == "attn":
-                lay = cache.layers[sub.layer]
-                x = ops.draft_attention_block(x, weight, eps, sub.qkv_w, sub.qkv_sz, sub.qkv_bias, sub.o_w, sub.o_sz,
-                                              sub.group, cos, sin, lay.keys[0], lay.values[0], start, sub.heads,
-                                              sub.kv_heads, sub.scale)
-            else:
-                x = ops.draft_mlp_block(x, weight, eps, sub.gu_w, sub.gu_sz, sub.down_w, sub.down_sz, sub.group)
+        for norm, sub in self.blocks:
+            x = sub.block(x, norm, rope, cache, start)
         x = self.base.norm(x[-keep:][None])
         return self.model.get_output_embeddings()(x)[0]
 
@@ -227,12 +239,12 @@ def step_for(model: nn.Module, layers, plan, fast: dict[int, object]) -> FusedSt
         return None
     blocks = []
     for i, layer in enumerate(layers):
-        for kind, sub, norm, off in (("attn", layer.self_attn, layer.input_layernorm, plan.attn),
-                                     ("mlp", layer.mlp, layer.post_attention_layernorm, plan.mlp)):
+        for sub, norm, off in ((layer.self_attn, layer.input_layernorm, plan.attn),
+                               (layer.mlp, layer.post_attention_layernorm, plan.mlp)):
             if i in off:
                 continue
             fused, rms = fast.get(id(sub)), _rms_norm(norm)
             if fused is None or rms is None:
                 return None
-            blocks.append((kind, *rms, fused))
+            blocks.append((rms, fused))
     return FusedStep(model, base, blocks)
