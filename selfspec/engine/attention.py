@@ -7,8 +7,11 @@ against 0.22 ms here (``scripts/attention_bench.py``). A draft step is one row,
 so the draft paid most of it; a verify or a padded step of 4-6 rows paid about half.
 
 Here the query heads that share a key/value head are stacked as rows of one matrix product
-over that head's keys (no repeated keys), in float32 from the scores to the softmax (as the flash
-kernel accumulates; float64 models stay in float64), the probabilities then in the model's dtype against the values. Forwards of
+over that head's keys (no repeated keys), in float32 throughout (float64 models stay in float64): the
+keys and the values are converted, and the output is rounded to the model's dtype once. A bf16 product
+of the probabilities and the values runs on a slow path where the CPU has no bf16 instructions (AVX2):
+there it took 9.9 ms a layer for 6 rows over 1000 keys, against 0.22 ms in float32 (results/PERF.md,
+thirtieth session). Forwards of
 more than :data:`MAX_ROWS` query rows (a prompt's prefill) and everything this path does not
 cover (no mask over several rows, dropout, soft-capping, attention sinks, a position bias) go to
 transformers' SDPA function unchanged.
@@ -62,8 +65,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
             scores.masked_fill_(~m, float("-inf"))
         else:
             scores.add_(m)
-    probs = scores.softmax(-1).to(value.dtype)
-    out = torch.bmm(probs, value.reshape(b * kv_heads, keys, dim))
+    out = torch.bmm(scores.softmax(-1), value.reshape(b * kv_heads, keys, dim).to(acc)).to(value.dtype)
     return out.reshape(b, heads, rows, dim).transpose(1, 2).contiguous(), None
 
 

@@ -48,7 +48,10 @@ from selfspec.search.simulate import RoundCounts
 # (version 2 took them from differences of whole runs or forwards: -26 to +27 ms for a softmax that costs
 # under 1 ms, 3 to 13 ms saved by one int4 head). 4: the loop overheads scale each repetition by the mean of
 # the AR runs just before and just after it (version 3: by one AR run before it), after a short warm-up.
-COST_MODEL_VERSION = 4
+# 5: what is measured changed, not how: the decode attention multiplies the values in float32 (a bf16 product
+# there cost a 6-row verify over 1000 keys ~2x on AVX2, selfspec/engine/attention.py), so verifies and plain
+# steps priced by version 4 are too dear.
+COST_MODEL_VERSION = 5
 
 
 def weight_format(options: DraftOptions) -> str:
