@@ -95,6 +95,24 @@ def test_the_report_says_why_held_out_prompts_ran_slower():
     assert retimed[1] == "    and 4 more with the same predicted rounds, not re-timed: " + "; ".join(twins[:3]) + "; ..."
 
 
+def test_the_report_says_where_the_time_went_past_its_target():
+    from selfspec.search.pipeline import SearchReport, format_report, time_over
+
+    plan = SkipPlan(4, provenance={"machine": {"cpu": "AMD EPYC", "isa": "AVX2", "cores": 2}})
+    r = SearchReport(DraftSpec(plan, k=2), 1.7, {}, {}, 100, 698.0, "p.json", "cost model measured",
+                     stages={"calibration and cost model": 137.0, "trials": 149.0, "re-timing": 87.0,
+                             "held-out check": 185.0, "ablation": 140.0},
+                     setup_seconds=109.0, time_target_s=600.0, plain_step_s=0.119)
+    line = time_over(r)
+    assert line.startswith("note: 807 s in all, over the 600 s target (search.time_target_s) by 207 s.")
+    assert "(AMD EPYC, AVX2, 2 cores), where one full-model step of this model took 119 ms" in line
+    assert "longest parts: held-out check 185 s, trials 149 s, ablation 140 s." in line
+    assert line in format_report(r) and "; 109 s before it (prompts and model fetched" in format_report(r)
+    for target in (None, 807.0):  # no target, or the run within it: no note
+        r.time_target_s = target
+        assert time_over(r) is None and "s target" not in format_report(r)
+
+
 def test_predicted_time_formula():
     spec = DraftSpec(SkipPlan(4, attn=(1, 2), mlp=(1,)), DraftOptions(weights="int8", head_tokens=16384), k=3)
     counts = RoundCounts(tokens=20, plain_steps=1, model_rounds=Counter({3: 4, 1: 2}), copy_rounds=Counter({5: 1}),
@@ -445,13 +463,15 @@ def resumable(tmp_path, two_trial_study):
 
 
 def test_cli_end_to_end_with_offline_wandb(tmp_path):
-    proc = _cli(tmp_path, "logger=wandb", f"logger.dir={tmp_path}/wandb")
+    proc = _cli(tmp_path, "logger=wandb", f"logger.dir={tmp_path}/wandb", "search.time_target_s=1")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "best draft" in out and "measured" in out
     time_line = next(line for line in out.splitlines() if line.startswith("time  "))
-    for stage in ("calibration and cost model", "trials", "re-timing", "held-out check"):
+    for stage in ("calibration and cost model", "trials", "re-timing", "held-out check", "s before it (prompts"):
         assert stage in time_line, time_line
+    over = next(line for line in out.splitlines() if line.startswith("note: ") and "s target" in line)
+    assert "over the 1 s target (search.time_target_s)" in over and "one full-model step" in over, over
     chunks = next(line for line in out.splitlines() if line.startswith("chunks  "))
     assert " teacher-forced draft chunks run" in chunks and " answered from memory" in chunks, chunks
     # the re-timed candidates include the best draft with no sublayer skipped (its options alone; a copy-only

@@ -145,7 +145,7 @@ def test_a_background_build_runs_once_and_callers_wait_for_it(monkeypatch):
         vnni._load_once.cache_clear()
 
 
-@pytest.mark.parametrize("build, label", [("avx512-vnni", "int4-vnni"), ("avx2", "int4-vnni on avx2 r2")])
+@pytest.mark.parametrize("build, label", [("avx512-vnni", "int4-vnni"), ("avx2", "int4-vnni on avx2 r3")])
 def test_the_fingerprint_names_the_build_and_its_revision(monkeypatch, build, label):
     """A kernel change that moves its speed is a new revision: studies timed on the old one re-measure their costs
     (the AVX-512 build reads as it always did, so its studies keep their cost models)."""

@@ -11,6 +11,7 @@ or a database URL) to run the trials on several workers.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -40,6 +41,7 @@ def _on_trial(logger: WandbLogger):
 
 @hydra.main(config_path=str(conf_dir()), config_name="search", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    started = time.perf_counter()  # the report counts the model's fetch and load too
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     logger = None
     try:
@@ -56,11 +58,13 @@ def main(cfg: DictConfig) -> None:
         logger = _logger(cfg)
         if build is not None:
             build.join()  # the cost model times the kernel: no compile may run beside it
+        setup = time.perf_counter() - started
         report = search(lm, prompts, settings, on_trial=_on_trial(logger),
                         extra_provenance={"config": plain(cfg)})
         if report is None:  # another worker of the study writes the draft
             logger.finish()
             return
+        report.setup_seconds = setup
         print(format_report(report))
         logger.summary({k: v for k, v in report.to_dict().items() if k not in ("draft", "candidates", "ablation")})
         logger.artifact(report.plan_path, f"draft-{Path(report.plan_path).stem}", "draft")

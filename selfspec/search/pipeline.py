@@ -111,6 +111,7 @@ class SearchSettings:
     plans_dir: str = "outputs/plans"
     retime: RetimeSettings = field(default_factory=RetimeSettings)
     heldout: HeldoutSettings = field(default_factory=HeldoutSettings)
+    time_target_s: float | None = None  # the report says where the time went when a run takes longer (None: no check)
 
     def __post_init__(self) -> None:
         if self.objective not in ("predicted", "wallclock"):
@@ -133,6 +134,9 @@ class SearchReport:
     ablation: list = field(default_factory=list)
     stages: dict = field(default_factory=dict)  # seconds of each stage of the search, in order
     draft_chunks: dict = field(default_factory=dict)  # this process: draft chunks run / answered from memory
+    setup_seconds: float = 0.0  # before the search's clock: fetching and loading the model and prompts (the entry point's)
+    time_target_s: float | None = None  # SearchSettings.time_target_s
+    plain_step_s: float | None = None  # the cost model's one-token full-model forward on this machine
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -485,7 +489,8 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     report = SearchReport(draft=best, predicted_speedup=best_predicted, calibration=calibration, heldout=heldout,
                           trials=finished(study), search_seconds=time.perf_counter() - t_start, plan_path="",
                           cost_model_note=cost_note, candidates=candidates, ablation=ablation, stages=stages,
-                          draft_chunks={"run": sim.forwards, "reused": sim.reused})
+                          draft_chunks={"run": sim.forwards, "reused": sim.reused}, time_target_s=s.time_target_s,
+                          plain_step_s=costs.t_full)
     prov = provenance({"model": lm.name, "dataset": prompt_set.name, "dtype": lm.info.get("dtype"),
                        "study": s.study_name, "storage": str(s.storage), "objective": s.objective,
                        "cost_model": costs.to_dict(), "cost_model_note": cost_note, **(extra_provenance or {})})
@@ -523,7 +528,9 @@ def format_report(r: SearchReport) -> str:
 
     lines = ["", f"best draft  {r.draft.describe()}", row("calibration", r.calibration), row("held-out", r.heldout),
              f"trials      {r.trials}; {r.cost_model_note}",
-             f"time        {r.search_seconds:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in r.stages.items()),
+             f"time        {r.search_seconds:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in r.stages.items())
+             + (f"; {r.setup_seconds:.0f} s before it (prompts and model fetched and loaded, kernel built)"
+                if r.setup_seconds else ""),
              *([f"chunks      {r.draft_chunks['run']} teacher-forced draft chunks run on the calibration prompts by "
                 f"this process, {r.draft_chunks['reused']} answered from memory (earlier trials, same draft forward)"]
                if r.draft_chunks else []),
@@ -550,10 +557,27 @@ def format_report(r: SearchReport) -> str:
     held = (r.heldout.get("measured") or {}).get("speedup")  # end to end: what a user waits for
     if held is not None and held < 1.0:
         lines.append("note: no real speedup on held-out prompts for this model on this machine (see README).")
-    gap = heldout_gap(r)
-    if gap:
-        lines.append(gap)
+    lines += [note for note in (heldout_gap(r), time_over(r)) if note]
     return "\n".join(lines)
+
+
+def time_over(r: SearchReport) -> str | None:
+    """A plain line on where the time went, if the run took longer than its target."""
+    total = r.setup_seconds + r.search_seconds
+    if r.time_target_s is None or total <= r.time_target_s:
+        return None
+    parts = {**({"fetching and loading": r.setup_seconds} if r.setup_seconds else {}), **r.stages}
+    longest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+    machine = (r.draft.plan.provenance or {}).get("machine") or {}
+    where = ", ".join(str(machine[k]) for k in ("cpu", "isa") if machine.get(k))
+    cores = f", {machine['cores']} cores" if machine.get("cores") else ""
+    step = (f", where one full-model step of this model took {r.plain_step_s * 1e3:.0f} ms"
+            if r.plain_step_s else "")
+    return (f"note: {total:.0f} s in all, over the {r.time_target_s:.0f} s target (search.time_target_s) by "
+            f"{total - r.time_target_s:.0f} s. The search times real decoding on this CPU ({where or 'unknown'}{cores})"
+            f"{step}; its longest parts: " + ", ".join(f"{k} {v:.0f} s" for k, v in longest) + ". Shorter, at the "
+            "cost of what they measure: search.ablation=false (no ablation), search.heldout.reps=1, "
+            "search.retime.top_n=1, fewer search.n_trials.")
 
 
 def heldout_gap(r: SearchReport, margin: float = 0.9) -> str | None:
