@@ -111,7 +111,7 @@ class SearchSettings:
     plans_dir: str = "outputs/plans"
     retime: RetimeSettings = field(default_factory=RetimeSettings)
     heldout: HeldoutSettings = field(default_factory=HeldoutSettings)
-    time_target_s: float | None = None  # the report says where the time went when a run takes longer (None: no check)
+    time_target_s: float | None = 600.0  # the report says where the time went when a run takes longer (None: no check)
 
     def __post_init__(self) -> None:
         if self.objective not in ("predicted", "wallclock"):
