@@ -10,8 +10,8 @@ Here the query heads that share a key/value head are stacked as rows of one matr
 over that head's keys (no repeated keys), in float32 throughout (float64 models stay in float64): the
 keys and the values are converted, and the output is rounded to the model's dtype once. A bf16 product
 of the probabilities and the values runs on a slow path where the CPU has no bf16 instructions (AVX2):
-there it took 9.9 ms a layer for 6 rows over 1000 keys, against 0.22 ms in float32 (results/PERF.md,
-thirtieth session). Forwards of
+there the attention took 11.4 ms a layer for 6 rows over 1000 keys, against 1.14 ms in float32
+(``scripts/attention_bench.py``, results/PERF.md, thirtieth session). Forwards of
 more than :data:`MAX_ROWS` query rows (a prompt's prefill) and everything this path does not
 cover (no mask over several rows, dropout, soft-capping, attention sinks, a position bias) go to
 transformers' SDPA function unchanged.
