@@ -113,6 +113,35 @@ def test_the_report_says_where_the_time_went_past_its_target():
         assert time_over(r) is None and "s target" not in format_report(r)
 
 
+def test_the_final_stages_lose_repetitions_only_where_that_meets_the_time_target():
+    from selfspec.search.pipeline import FinalStages, SearchReport, SearchSettings, fit_final_stages, format_report
+
+    # by default the held-out check runs 2 reps of 4 prompts x 128 tokens, the ablation 2 reps on 4 prompts x 32
+    # one 32-token run takes 2 s: the held-out check 2 x 2 x 4 x 8 = 128 s, the ablation (AR + 6 variants)
+    # 2 x 7 x 4 x 2 = 112 s
+    def fit(left, **settings):
+        return fit_final_stages(SearchSettings(**settings), left, 2.0, 4, 4, 6)
+
+    assert fit(None) == fit(240.0) == fit(1e9) == FinalStages(2, 2)
+    assert fit(239.0) == fit(184.0) == FinalStages(2, 1, ("the ablation ran 1 repetition (not 2)",))
+    assert fit(183.9) == fit(120.0) == FinalStages(
+        1, 1, ("the ablation ran 1 repetition (not 2)", "the held-out check ran 1 repetition (not 2)"))
+    assert fit(119.9) == fit(64.0) == FinalStages(1, 0, ("the ablation did not run",
+                                                          "the held-out check ran 1 repetition (not 2)"))
+    assert fit(63.9) == fit(-50.0) == FinalStages(2, 2)  # nothing fits: all as set, the time note says why
+    assert fit(100.0, fit_target=False) == FinalStages(2, 2)
+    assert fit(100.0, ablation=False) == FinalStages(1, 0, ("the held-out check ran 1 repetition (not 2)",))
+    no_held = fit_final_stages(SearchSettings(), 60.0, 2.0, 0, 4, 6)  # no held-out prompts: the ablation alone
+    assert no_held == FinalStages(2, 1, ("the ablation ran 1 repetition (not 2)",))
+
+    r = SearchReport(DraftSpec(SkipPlan(4), k=2), 1.7, {}, {}, 100, 500.0, "p.json", "cost model measured",
+                     time_target_s=600.0, trimmed=list(fit(150.0).trimmed))
+    assert ("note: to finish within the 600 s target (search.time_target_s), the ablation ran 1 repetition (not 2), "
+            "the held-out check ran 1 repetition (not 2); search.fit_target=false runs them as set.") in format_report(r)
+    r.trimmed = []
+    assert "fit_target" not in format_report(r)
+
+
 def test_predicted_time_formula():
     spec = DraftSpec(SkipPlan(4, attn=(1, 2), mlp=(1,)), DraftOptions(weights="int8", head_tokens=16384), k=3)
     counts = RoundCounts(tokens=20, plain_steps=1, model_rounds=Counter({3: 4, 1: 2}), copy_rounds=Counter({5: 1}),

@@ -60,11 +60,10 @@ def main(cfg: DictConfig) -> None:
             build.join()  # the cost model times the kernel: no compile may run beside it
         setup = time.perf_counter() - started
         report = search(lm, prompts, settings, on_trial=_on_trial(logger),
-                        extra_provenance={"config": plain(cfg)})
+                        extra_provenance={"config": plain(cfg)}, setup_seconds=setup)
         if report is None:  # another worker of the study writes the draft
             logger.finish()
             return
-        report.setup_seconds = setup
         print(format_report(report))
         logger.summary({k: v for k, v in report.to_dict().items() if k not in ("draft", "candidates", "ablation")})
         logger.artifact(report.plan_path, f"draft-{Path(report.plan_path).stem}", "draft")

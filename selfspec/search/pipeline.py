@@ -112,6 +112,7 @@ class SearchSettings:
     retime: RetimeSettings = field(default_factory=RetimeSettings)
     heldout: HeldoutSettings = field(default_factory=HeldoutSettings)
     time_target_s: float | None = 600.0  # the report says where the time went when a run takes longer (None: no check)
+    fit_target: bool = True  # trim the final stages' repetitions when that keeps the run within time_target_s
 
     def __post_init__(self) -> None:
         if self.objective not in ("predicted", "wallclock"):
@@ -137,6 +138,7 @@ class SearchReport:
     setup_seconds: float = 0.0  # before the search's clock: fetching and loading the model and prompts (the entry point's)
     time_target_s: float | None = None  # SearchSettings.time_target_s
     plain_step_s: float | None = None  # the cost model's one-token full-model forward on this machine
+    trimmed: list = field(default_factory=list)  # what the final stages left out to meet time_target_s (fit_target)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -248,6 +250,47 @@ def spread(n_items: int, n: int) -> list[int]:
     return [i * n_items // n for i in range(n)]
 
 
+@dataclass(frozen=True)
+class FinalStages:
+    """The repetitions the held-out check and the ablation run (0: the ablation does not run), and what was
+    left out of the settings' to meet the time target."""
+    heldout_reps: int
+    ablation_reps: int
+    trimmed: tuple[str, ...] = ()
+
+
+def fit_final_stages(s: SearchSettings, left_s: float | None, run_s: float, n_held: int, n_timed: int,
+                     n_variants: int) -> FinalStages:
+    """The final stages as set, or with fewer repetitions where ``left_s`` (seconds left before
+    ``s.time_target_s``; None: no target) would not hold them and fewer would (``s.fit_target``).
+
+    Estimated from ``run_s``, one re-timing run's seconds (``s.retime.max_new_tokens`` tokens): the held-out
+    check runs AR and the draft ``heldout.reps`` times on ``n_held`` prompts of ``heldout.max_new_tokens``
+    tokens, the ablation AR and ``n_variants`` drafts on the ``n_timed`` re-timing prompts. Trimmed in order:
+    the ablation to one repetition, the held-out check to one, then no ablation; the held-out check always runs.
+    When even that would not fit, everything runs as set (the report's time note then says why).
+    """
+    held, ablation = s.heldout.reps, (s.retime.reps if s.ablation and n_variants else 0)
+    per_held = 2 * n_held * run_s * s.heldout.max_new_tokens / s.retime.max_new_tokens
+    per_ablation = (1 + n_variants) * n_timed * run_s
+
+    def fits(h: int, a: int) -> bool:
+        return h * per_held + a * per_ablation <= left_s
+
+    if left_s is None or not s.fit_target or fits(held, ablation):
+        return FinalStages(held, ablation)
+    trims = [(held, min(ablation, 1)), (min(held, 1), min(ablation, 1)), (min(held, 1), 0)]
+    for h, a in trims:
+        if fits(h, a):
+            said = []
+            if a < ablation:
+                said.append(f"the ablation ran {a} repetition (not {ablation})" if a else "the ablation did not run")
+            if h < held:
+                said.append(f"the held-out check ran {h} repetition (not {held})")
+            return FinalStages(h, a, tuple(said))
+    return FinalStages(held, ablation)
+
+
 def _predict(sim: RoundSimulator, costs: CostModel, spec: DraftSpec) -> dict:
     """Predicted acceptance, tokens per round and decode speedup over ``sim``'s prompts."""
     counts = sim.simulate(spec)
@@ -256,24 +299,25 @@ def _predict(sim: RoundSimulator, costs: CostModel, spec: DraftSpec) -> dict:
 
 
 def search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: Callable | None = None,
-           extra_provenance: dict | None = None) -> SearchReport | None:
+           extra_provenance: dict | None = None, setup_seconds: float = 0.0) -> SearchReport | None:
     """The whole search, as one worker of the study: any number may run at once (one machine or many).
 
     Calibration is done once per study and shared; each worker seeds its sampler with
     ``seed + its slot``; the workers together run ``n_trials``. The worker that finds
     the budget spent and no trial running elsewhere re-times the best drafts and writes
-    the draft file; the others return None.
+    the draft file; the others return None. ``setup_seconds``: what the caller spent before (fetching and
+    loading), counted against ``s.time_target_s``.
     """
     space = SearchSpace(lm.num_layers, s.min_skipped, s.max_skipped, s.protect_first_last, s.space)
     space.check()
     check_writable(Path(s.plans_dir), "draft files")
     storage = open_storage(s.storage)
     with worker_slot(storage, s.study_name) as slot:
-        return _search(lm, prompt_set, s, space, storage, slot, on_trial, extra_provenance)
+        return _search(lm, prompt_set, s, space, storage, slot, on_trial, extra_provenance, setup_seconds)
 
 
 def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: SearchSpace, storage, slot: int,
-            on_trial: Callable | None, extra_provenance: dict | None) -> SearchReport | None:
+            on_trial: Callable | None, extra_provenance: dict | None, setup_seconds: float) -> SearchReport | None:
     t_start, started = time.perf_counter(), time.time()
     calib_ids = [encode_prompt(lm.tokenizer, p) for p in prompt_set.calibration]
     held = prompt_set.heldout
@@ -319,7 +363,7 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
                   file=sys.stderr)
             return None
         report = _finish(lm, prompt_set, s, space, study, sim, costs, cost_note, calib_ids, timed_rows, held_ids,
-                         plans_dir, t_start, extra_provenance, stages)
+                         plans_dir, t_start, extra_provenance, stages, setup_seconds)
         study.set_user_attr("draft_written", {"at": time.time(), "by": WORKER, "path": report.plan_path})
         return report
     finally:
@@ -434,7 +478,7 @@ def _costs_fit(saved: dict, space: SearchSpace) -> bool:
 def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: SearchSpace, study: optuna.Study,
             sim: RoundSimulator, costs: CostModel, cost_note: str, calib_ids: list[list[int]], timed_rows: list[int],
             held_ids: list[list[int]], plans_dir: Path, t_start: float, extra_provenance: dict | None,
-            stages: dict[str, float]) -> SearchReport:
+            stages: dict[str, float], setup_seconds: float) -> SearchReport:
     t = time.perf_counter()
     tops = top_drafts(study, space, s.retime.top_n, lm.name, costs if s.objective == "predicted" else None)
     if not tops:
@@ -452,8 +496,10 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     _stage(f"re-timing the best {len(entries)} drafts with real runs ({len(timed_ids)} calibration prompts, "
            f"{s.retime.reps} reps)")
     timed_conts: list[list[int]] = []  # the full model's continuations of the timed prompts, as long as the runs
+    t_runs = time.perf_counter()
     timed = retime(lm.model, timed_ids, [spec for spec, _, _ in entries], lm.eos_ids,
                    s.retime.max_new_tokens, s.retime.reps, ar_tokens=timed_conts, progress="re-timing")
+    run_s = (time.perf_counter() - t_runs) / ((1 + len(entries)) * s.retime.reps * len(timed_ids))
     # predictions to set beside the measurements: the same prompts and continuations as the timed runs (the
     # trials' predictions cover every calibration prompt over calibration_tokens, another sample)
     timed_sim = RoundSimulator(lm.model, timed_ids, timed_conts, lm.eos_ids)
@@ -468,20 +514,22 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     best, best_predicted = entries[best_i][0], entries[best_i][1]
     calibration = {"predicted": like[best_i], "measured": _subset(timed[best_i])}
     stages["re-timing"], t = time.perf_counter() - t, time.perf_counter()
+    variants = ablation_variants(best) if s.ablation else []
+    left = None if s.time_target_s is None else s.time_target_s - setup_seconds - (time.perf_counter() - t_start)
+    fit = fit_final_stages(s, left, run_s, len(held_ids), len(timed_ids), len(variants))
     heldout = {"predicted": {}, "measured": {}}
     if held_ids:
         _stage(f"timing the chosen draft on {len(held_ids)} held-out prompts ({s.heldout.max_new_tokens} tokens)")
         held_conts: list[list[int]] = []  # the full model's continuations: AR's tokens in the timed runs
         heldout["measured"] = _subset(retime(lm.model, held_ids, [best], lm.eos_ids, s.heldout.max_new_tokens,
-                                             s.heldout.reps, ar_tokens=held_conts, progress="held-out")[0])
+                                             fit.heldout_reps, ar_tokens=held_conts, progress="held-out")[0])
         heldout["predicted"] = _predict(RoundSimulator(lm.model, held_ids, held_conts, lm.eos_ids), costs, best)
         stages["held-out check"], t = time.perf_counter() - t, time.perf_counter()
     ablation = []
-    if s.ablation:
-        variants = ablation_variants(best)
+    if fit.ablation_reps:
         _stage(f"ablation: the chosen draft without each of its levers ({len(variants)} variants)")
         measured = retime(lm.model, timed_ids, [v for _, v in variants], lm.eos_ids,
-                          s.retime.max_new_tokens, s.retime.reps, progress="ablation")
+                          s.retime.max_new_tokens, fit.ablation_reps, progress="ablation")
         ablation = [{"variant": name, "draft": v.describe(), "predicted": _predict(timed_sim, costs, v),
                      "measured": _subset(m)}
                     for (name, v), m in zip(variants, measured)]
@@ -490,7 +538,7 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
                           trials=finished(study), search_seconds=time.perf_counter() - t_start, plan_path="",
                           cost_model_note=cost_note, candidates=candidates, ablation=ablation, stages=stages,
                           draft_chunks={"run": sim.forwards, "reused": sim.reused}, time_target_s=s.time_target_s,
-                          plain_step_s=costs.t_full)
+                          plain_step_s=costs.t_full, setup_seconds=setup_seconds, trimmed=list(fit.trimmed))
     prov = provenance({"model": lm.name, "dataset": prompt_set.name, "dtype": lm.info.get("dtype"),
                        "study": s.study_name, "storage": str(s.storage), "objective": s.objective,
                        "cost_model": costs.to_dict(), "cost_model_note": cost_note, **(extra_provenance or {})})
@@ -557,6 +605,9 @@ def format_report(r: SearchReport) -> str:
     held = (r.heldout.get("measured") or {}).get("speedup")  # end to end: what a user waits for
     if held is not None and held < 1.0:
         lines.append("note: no real speedup on held-out prompts for this model on this machine (see README).")
+    if r.trimmed:
+        lines.append(f"note: to finish within the {r.time_target_s:.0f} s target (search.time_target_s), "
+                     + ", ".join(r.trimmed) + "; search.fit_target=false runs them as set.")
     lines += [note for note in (heldout_gap(r), time_over(r)) if note]
     return "\n".join(lines)
 
