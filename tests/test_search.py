@@ -120,19 +120,23 @@ def test_the_final_stages_lose_repetitions_only_where_that_meets_the_time_target
     # one 32-token run takes 2 s: the held-out check 2 x 2 x 4 x 8 = 128 s, the ablation (AR + 6 variants)
     # 2 x 7 x 4 x 2 = 112 s
     def fit(left, **settings):
-        return fit_final_stages(SearchSettings(**settings), left, 2.0, 4, 4, 6)
+        return fit_final_stages(SearchSettings(**settings), left, 2.0, 4, 4, 6, margin=1.0)
 
-    assert fit(None) == fit(240.0) == fit(1e9) == FinalStages(2, 2)
-    assert fit(239.0) == fit(184.0) == FinalStages(2, 1, ("the ablation ran 1 repetition (not 2)",))
+    assert fit(None) == FinalStages(2, 2)
+    assert fit(240.0) == fit(1e9) == FinalStages(2, 2, estimate_s=240.0)
+    assert fit(239.0) == fit(184.0) == FinalStages(2, 1, ("the ablation ran 1 repetition (not 2)",), 184.0)
     assert fit(183.9) == fit(120.0) == FinalStages(
-        1, 1, ("the ablation ran 1 repetition (not 2)", "the held-out check ran 1 repetition (not 2)"))
+        1, 1, ("the ablation ran 1 repetition (not 2)", "the held-out check ran 1 repetition (not 2)"), 120.0)
     assert fit(119.9) == fit(64.0) == FinalStages(1, 0, ("the ablation did not run",
-                                                          "the held-out check ran 1 repetition (not 2)"))
-    assert fit(63.9) == fit(-50.0) == FinalStages(2, 2)  # nothing fits: all as set, the time note says why
-    assert fit(100.0, fit_target=False) == FinalStages(2, 2)
-    assert fit(100.0, ablation=False) == FinalStages(1, 0, ("the held-out check ran 1 repetition (not 2)",))
-    no_held = fit_final_stages(SearchSettings(), 60.0, 2.0, 0, 4, 6)  # no held-out prompts: the ablation alone
-    assert no_held == FinalStages(2, 1, ("the ablation ran 1 repetition (not 2)",))
+                                                          "the held-out check ran 1 repetition (not 2)"), 64.0)
+    assert fit(63.9) == fit(-50.0) == FinalStages(2, 2, estimate_s=240.0)  # nothing fits: as set, the note says why
+    assert fit(100.0, fit_target=False) == FinalStages(2, 2, estimate_s=240.0)
+    assert fit(100.0, ablation=False) == FinalStages(1, 0, ("the held-out check ran 1 repetition (not 2)",), 64.0)
+    no_held = fit_final_stages(SearchSettings(), 60.0, 2.0, 0, 4, 6, margin=1.0)  # no held-out prompts
+    assert no_held == FinalStages(2, 1, ("the ablation ran 1 repetition (not 2)",), 56.0)
+    # the default margin: the estimate times 1.1 must fit
+    assert fit_final_stages(SearchSettings(), 240.0, 2.0, 4, 4, 6).ablation_reps == 1
+    assert fit_final_stages(SearchSettings(), 264.0, 2.0, 4, 4, 6).ablation_reps == 2
 
     r = SearchReport(DraftSpec(SkipPlan(4), k=2), 1.7, {}, {}, 100, 500.0, "p.json", "cost model measured",
                      time_target_s=600.0, trimmed=list(fit(150.0).trimmed))

@@ -139,6 +139,7 @@ class SearchReport:
     time_target_s: float | None = None  # SearchSettings.time_target_s
     plain_step_s: float | None = None  # the cost model's one-token full-model forward on this machine
     trimmed: list = field(default_factory=list)  # what the final stages left out to meet time_target_s (fit_target)
+    final_stages_s: list | None = None  # the final stages' estimated seconds as run, and the seconds left for them
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -257,10 +258,11 @@ class FinalStages:
     heldout_reps: int
     ablation_reps: int
     trimmed: tuple[str, ...] = ()
+    estimate_s: float | None = None  # their estimated seconds, as run (None: no target to fit)
 
 
 def fit_final_stages(s: SearchSettings, left_s: float | None, run_s: float, n_held: int, n_timed: int,
-                     n_variants: int) -> FinalStages:
+                     n_variants: int, margin: float = 1.1) -> FinalStages:
     """The final stages as set, or with fewer repetitions where ``left_s`` (seconds left before
     ``s.time_target_s``; None: no target) would not hold them and fewer would (``s.fit_target``).
 
@@ -268,17 +270,23 @@ def fit_final_stages(s: SearchSettings, left_s: float | None, run_s: float, n_he
     check runs AR and the draft ``heldout.reps`` times on ``n_held`` prompts of ``heldout.max_new_tokens``
     tokens, the ablation AR and ``n_variants`` drafts on the ``n_timed`` re-timing prompts. Trimmed in order:
     the ablation to one repetition, the held-out check to one, then no ablation; the held-out check always runs.
-    When even that would not fit, everything runs as set (the report's time note then says why).
+    When even that would not fit, everything runs as set (the report's time note then says why). ``margin``:
+    the estimate times this must fit (the main job's held-out check ran ~15% over it, results/PERF.md).
     """
     held, ablation = s.heldout.reps, (s.retime.reps if s.ablation and n_variants else 0)
     per_held = 2 * n_held * run_s * s.heldout.max_new_tokens / s.retime.max_new_tokens
     per_ablation = (1 + n_variants) * n_timed * run_s
 
-    def fits(h: int, a: int) -> bool:
-        return h * per_held + a * per_ablation <= left_s
+    def estimate(h: int, a: int) -> float:
+        return margin * (h * per_held + a * per_ablation)
 
-    if left_s is None or not s.fit_target or fits(held, ablation):
+    def fits(h: int, a: int) -> bool:
+        return estimate(h, a) <= left_s
+
+    if left_s is None:
         return FinalStages(held, ablation)
+    if not s.fit_target or fits(held, ablation):
+        return FinalStages(held, ablation, estimate_s=estimate(held, ablation))
     trims = [(held, min(ablation, 1)), (min(held, 1), min(ablation, 1)), (min(held, 1), 0)]
     for h, a in trims:
         if fits(h, a):
@@ -287,8 +295,8 @@ def fit_final_stages(s: SearchSettings, left_s: float | None, run_s: float, n_he
                 said.append(f"the ablation ran {a} repetition (not {ablation})" if a else "the ablation did not run")
             if h < held:
                 said.append(f"the held-out check ran {h} repetition (not {held})")
-            return FinalStages(h, a, tuple(said))
-    return FinalStages(held, ablation)
+            return FinalStages(h, a, tuple(said), estimate(h, a))
+    return FinalStages(held, ablation, estimate_s=estimate(held, ablation))
 
 
 def _predict(sim: RoundSimulator, costs: CostModel, spec: DraftSpec) -> dict:
@@ -538,7 +546,8 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
                           trials=finished(study), search_seconds=time.perf_counter() - t_start, plan_path="",
                           cost_model_note=cost_note, candidates=candidates, ablation=ablation, stages=stages,
                           draft_chunks={"run": sim.forwards, "reused": sim.reused}, time_target_s=s.time_target_s,
-                          plain_step_s=costs.t_full, setup_seconds=setup_seconds, trimmed=list(fit.trimmed))
+                          plain_step_s=costs.t_full, setup_seconds=setup_seconds, trimmed=list(fit.trimmed),
+                          final_stages_s=None if left is None else [fit.estimate_s, left])
     prov = provenance({"model": lm.name, "dataset": prompt_set.name, "dtype": lm.info.get("dtype"),
                        "study": s.study_name, "storage": str(s.storage), "objective": s.objective,
                        "cost_model": costs.to_dict(), "cost_model_note": cost_note, **(extra_provenance or {})})
