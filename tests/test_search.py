@@ -113,6 +113,25 @@ def test_the_report_says_where_the_time_went_past_its_target():
         assert time_over(r) is None and "s target" not in format_report(r)
 
 
+def test_the_report_says_when_the_cost_model_priced_the_rounds_too_cheap():
+    from selfspec.search.pipeline import SearchReport, format_report, prediction_gap
+
+    def report(predicted, measured, acceptance=0.93):
+        return SearchReport(DraftSpec(SkipPlan(4), k=2), 3.0, {
+            "predicted": {"acceptance": 0.92, "tokens_per_round": 4.4, "decode_speedup": predicted},
+            "measured": {"acceptance": acceptance, "tokens_per_round": 4.5, "decode_speedup": measured,
+                         "speedup": 2.0}}, {}, 100, 500.0, "p.json", "cost model measured",
+            loop_overheads={"verify": -0.0226, "draft_step": -0.0028})
+
+    line = prediction_gap(report(3.21, 2.56))
+    assert line.startswith("note: the chosen draft ran at 2.56x against 3.21x predicted on the same prompts and tokens, "
+                           "with acceptance as predicted (0.93 / 0.92)")
+    assert "(here -22.6 ms a verify, -2.8 ms a draft step)" in line and "--remeasure" in line
+    assert line in format_report(report(3.21, 2.56))
+    assert prediction_gap(report(3.0, 2.6)) is None  # within 15%
+    assert prediction_gap(report(3.21, 2.56, acceptance=0.80)) is None  # the rounds differ, not the prices
+
+
 def test_the_final_stages_lose_repetitions_only_where_that_meets_the_time_target():
     from selfspec.search.pipeline import FinalStages, SearchReport, SearchSettings, fit_final_stages, format_report
 

@@ -140,6 +140,7 @@ class SearchReport:
     plain_step_s: float | None = None  # the cost model's one-token full-model forward on this machine
     trimmed: list = field(default_factory=list)  # what the final stages left out to meet time_target_s (fit_target)
     final_stages_s: list | None = None  # the final stages' estimated seconds as run, and the seconds left for them
+    loop_overheads: dict = field(default_factory=dict)  # the cost model's overheads (CostModel.overhead), seconds
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -546,7 +547,8 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
                           trials=finished(study), search_seconds=time.perf_counter() - t_start, plan_path="",
                           cost_model_note=cost_note, candidates=candidates, ablation=ablation, stages=stages,
                           draft_chunks={"run": sim.forwards, "reused": sim.reused}, time_target_s=s.time_target_s,
-                          plain_step_s=costs.t_full, setup_seconds=setup_seconds, trimmed=list(fit.trimmed),
+                          plain_step_s=costs.t_full, loop_overheads=dict(costs.overhead), setup_seconds=setup_seconds,
+                          trimmed=list(fit.trimmed),
                           final_stages_s=None if left is None else [fit.estimate_s, left])
     prov = provenance({"model": lm.name, "dataset": prompt_set.name, "dtype": lm.info.get("dtype"),
                        "study": s.study_name, "storage": str(s.storage), "objective": s.objective,
@@ -617,7 +619,7 @@ def format_report(r: SearchReport) -> str:
     if r.trimmed:
         lines.append(f"note: to finish within the {r.time_target_s:.0f} s target (search.time_target_s), "
                      + ", ".join(r.trimmed) + "; search.fit_target=false runs them as set.")
-    lines += [note for note in (heldout_gap(r), time_over(r)) if note]
+    lines += [note for note in (prediction_gap(r), heldout_gap(r), time_over(r)) if note]
     return "\n".join(lines)
 
 
@@ -638,6 +640,25 @@ def time_over(r: SearchReport) -> str | None:
             f"{step}; its longest parts: " + ", ".join(f"{k} {v:.0f} s" for k, v in longest) + ". Shorter, at the "
             "cost of what they measure: search.ablation=false (no ablation), search.heldout.reps=1, "
             "search.retime.top_n=1, fewer search.n_trials.")
+
+
+def prediction_gap(r: SearchReport, margin: float = 0.85) -> str | None:
+    """A plain line on why the chosen draft ran well below its prediction on the re-timed prompts, if it did
+    while its acceptance was as predicted (the cost model's side, not the simulation's)."""
+    p, m = r.calibration.get("predicted") or {}, r.calibration.get("measured") or {}
+    if not p or not m or m["decode_speedup"] >= margin * p["decode_speedup"]:
+        return None
+    if abs(p["acceptance"] - m["acceptance"]) > 0.05:
+        return None  # the rounds differ: heldout_gap's kind of note, not the cost model's
+    o = r.loop_overheads
+    overheads = (f" (here {o['verify'] * 1e3:+.1f} ms a verify, {o['draft_step'] * 1e3:+.1f} ms a draft step)"
+                 if "verify" in o and "draft_step" in o else "")
+    return (f"note: the chosen draft ran at {m['decode_speedup']:.2f}x against {p['decode_speedup']:.2f}x predicted on the "
+            f"same prompts and tokens, with acceptance as predicted ({m['acceptance']:.2f} / {p['acceptance']:.2f}): the "
+            "cost model priced its rounds too cheap, so the re-timing's measurement chose the draft. Its noisiest part "
+            f"is what the decoding loop adds to each forward{overheads}, from a few short runs on a machine whose speed "
+            "may drift; `python scripts/round_costs.py <study storage> --remeasure` prices the same rounds with a cost "
+            "model measured now (results/PERF.md).")
 
 
 def heldout_gap(r: SearchReport, margin: float = 0.9) -> str | None:
