@@ -255,7 +255,7 @@ def spread(n_items: int, n: int) -> list[int]:
 @dataclass(frozen=True)
 class FinalStages:
     """The repetitions the held-out check and the ablation run (0: the ablation does not run), and what was
-    left out of the settings' to meet the time target."""
+    left out of the settings to meet the time target."""
     heldout_reps: int
     ablation_reps: int
     trimmed: tuple[str, ...] = ()
