@@ -39,13 +39,13 @@ def machine_fingerprint() -> dict:
     The ISA (torch's CPU capability: AVX2, AVX512, ...) tells apart CPUs that report the same name
     (a virtual machine's "AMD EPYC" may be a Zen 3 with AVX2 or a Zen 4 with AVX-512), and with the
     libraries it decides which kernels our loop runs on (:func:`~selfspec.draft.packed.pack_format`:
-    bf16 prepacking needs AVX-512; an AVX2 CPU gets fp16 or fp32 copies).
+    bf16 prepacking needs AVX-512; an AVX2 CPU gets fp16 copies, on our kernel or fbgemm's, or fp32 copies).
     """
     import torch
 
-    from selfspec.draft.packed import pack_format
+    from selfspec.draft.packed import pack_label
 
-    return {"cpu": cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "kernels": pack_format() or "stock",
+    return {"cpu": cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "kernels": pack_label() or "stock",
             "int4_kernel": _int4_kernel(),
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 

@@ -349,11 +349,18 @@ def test_where_bf16_cannot_be_packed_forwards_of_three_rows_or_more_run_on_fp32_
 
 
 @pytest.mark.skipif(not packed_module._fbgemm_fp16(), reason="no fbgemm fp16 kernel in this torch build")
-def test_where_bf16_cannot_be_packed_but_fbgemm_runs_every_forward_uses_exact_fp16_copies(monkeypatch, capsys):
+@pytest.mark.parametrize("kernel", ["fbgemm", "panels"])
+def test_where_bf16_cannot_be_packed_but_fbgemm_runs_every_forward_uses_exact_fp16_copies(monkeypatch, capsys, kernel):
+    from selfspec.draft import fp16
     from selfspec.eval import records
     from selfspec.provenance import machine_fingerprint
 
+    if kernel == "panels" and not fp16.available():
+        pytest.skip(f"our fp16 kernel does not run here: {fp16.unavailable_reason()}")
     _as_on_a_cpu_that_packs(monkeypatch, "fp16")
+    if kernel == "fbgemm":
+        monkeypatch.setattr(packed_module, "fp16_kernel", lambda: "fbgemm")
+    label = "fp16" if kernel == "fbgemm" else f"fp16 {fp16.label()}"
     model = _bf16()
     with torch.no_grad():  # one weight fp16 cannot hold (2**-20 lies below its subnormals' bf16-exact range)
         model.model.layers[0].mlp.down_proj.weight[0, 0] = 2.0 ** -20 * 1.0078125
@@ -361,14 +368,17 @@ def test_where_bf16_cannot_be_packed_but_fbgemm_runs_every_forward_uses_exact_fp
     packer = weight_packer(model)
     assert "fp16 copies" in capsys.readouterr().err
     assert model.model.layers[0].mlp.down_proj.kind == "fp32"  # the weight that does not fit
+    assert all(lin.panels == (kernel == "panels" and lin.kind == "fp16") for lin in packer.linears)
     for lin in packer.linears:  # fp16 exactly where it holds the weight (a random init may have other tiny values)
         w = lin.inner.weight.float()
         assert lin.kind == ("fp16" if torch.equal(w.half().float(), w) else "fp32")
     assert sum(lin.kind == "fp16" for lin in packer.linears) > len(packer.linears) // 2
-    assert packer.extra_bytes == sum(lin.weight.numel() * (4 if lin.kind == "fp32" else 2) for lin in packer.linears)
+    assert packer.extra_bytes == sum(  # our panels pad the outputs to a multiple of 16
+        (-(-lin.out_features // 16) * 16 if lin.panels else lin.out_features) * lin.in_features
+        * (4 if lin.kind == "fp32" else 2) for lin in packer.linears)
     with torch.inference_mode():
         for lin in packer.linears[:3]:
-            for rows in (1, 2, 7):
+            for rows in (1, 2, 7, 13):
                 x = torch.randn(1, rows, lin.in_features, dtype=torch.bfloat16)
                 with packer.packed():
                     got = lin(x)
@@ -378,9 +388,9 @@ def test_where_bf16_cannot_be_packed_but_fbgemm_runs_every_forward_uses_exact_fp
                 torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)  # up to the order of the sums
     cfg = DecodeConfig(max_new_tokens=24, k=3, fallback=False)
     assert len(autoregressive(model, PROMPT, cfg).tokens) == 24
-    assert records.decode_record(cfg)["packed_weights"] == "fp16"
-    assert packed_module.kernels_label(True) == "packed fp16" and DecodeConfig().rows == 1
-    assert machine_fingerprint()["kernels"] == "fp16"  # a study timed on other kernels re-measures its costs
+    assert records.decode_record(cfg)["packed_weights"] == label  # runs on the two fp16 kernels never mix
+    assert packed_module.kernels_label(True) == f"packed {label}" and DecodeConfig().rows == 1
+    assert machine_fingerprint()["kernels"] == label  # a study timed on other kernels re-measures its costs
     packer.keep_dense(False)  # the bf16 weights rebuilt from the fp16 (and fp32) copies are exact
     packer.keep_dense(True)
     restored = {n.replace(".inner", ""): p for n, p in model.named_parameters()}

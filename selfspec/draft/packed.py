@@ -60,6 +60,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from selfspec.draft import fp16
 from selfspec.draft.wrap import instance_state, wrap_descendants
 
 
@@ -107,6 +108,23 @@ def pack_format() -> str | None:
     return "fp32" if _can_reorder(torch.float32) else None
 
 
+def fp16_kernel() -> str | None:
+    """Which kernel computes the fp16 copies (where :func:`pack_format` is ``fp16``): ``panels r<n>`` (ours,
+    :mod:`selfspec.draft.fp16`: it reads the weights once for up to 16 rows) where it runs, else ``fbgemm``; None
+    where the weights are not packed as fp16."""
+    if pack_format() != "fp16":
+        return None
+    return fp16.label() if fp16.available() else "fbgemm"
+
+
+def pack_label() -> str | None:
+    """:func:`pack_format`, with our fp16 kernel's name where it computes the fp16 copies (``fp16 panels r1``):
+    what records and machine fingerprints say, so runs and cost models of the two fp16 kernels never mix."""
+    fmt = pack_format()
+    kernel = fp16_kernel() if fmt == "fp16" else None
+    return f"fp16 {kernel}" if kernel not in (None, "fbgemm") else fmt
+
+
 def default_rows() -> int:
     """The padded width of our loop's full-model forwards (``DecodeConfig.rows``) by CPU: 6 where bf16 weights are
     packed (prepacked bf16 kernels read the weights faster over 4-6 rows: results/padded_rows.jsonl), 1 elsewhere
@@ -129,8 +147,12 @@ FP32_MIN_ROWS = 3
 
 def kernels_label(packed: bool) -> str:
     """What a method computes on: ``packed`` (our prepacked bf16 weights), ``packed fp16`` / ``packed fp32``
-    (fp16 or fp32 copies, on a CPU that cannot pack bf16) or ``stock`` (the model as loaded)."""
-    return KERNELS[pack_format()] if packed else "stock"
+    (fp16 or fp32 copies, on a CPU that cannot pack bf16; ``packed fp16 panels r1`` where our fp16 kernel computes
+    them) or ``stock`` (the model as loaded)."""
+    if not packed:
+        return "stock"
+    label = pack_label()
+    return KERNELS[pack_format()] if label == pack_format() else f"packed {label}"
 
 
 class LinearWrapper(nn.Module):
@@ -171,7 +193,11 @@ class PackedLinear(LinearWrapper):
         wide = w.float() if self.kind in ("fp16", "fp32") else None  # converted once: the 1.5B's head is 0.9 GB in fp32
         if self.kind == "fp16" and not torch.equal(w.half().float(), wide):
             self.kind = "fp32"
-        if self.kind == "fp16":  # fbgemm keeps the bias in the packed object
+        self.panels = self.kind == "fp16" and fp16_kernel() != "fbgemm"  # our kernel's layout (selfspec.draft.fp16)
+        if self.panels:
+            self.packed = fp16.pack(w)
+            self.bias32 = None if inner.bias is None else inner.bias.detach().float().contiguous()
+        elif self.kind == "fp16":  # fbgemm keeps the bias in the packed object
             bias = inner.bias
             self.packed = torch.ops.quantized.linear_prepack_fp16(wide, None if bias is None else bias.detach().float())
         else:
@@ -185,6 +211,8 @@ class PackedLinear(LinearWrapper):
         return self.inner.weight if self.dense else self._from_packed()
 
     def _from_packed(self) -> torch.Tensor:
+        if self.panels:
+            return fp16.unpack(self.packed, self.out_features).to(torch.bfloat16)  # exact
         if self.kind == "fp16":
             return torch.ops.quantized.linear_unpack_fp16(self.packed)[0].to(torch.bfloat16)  # exact
         w = self.packed.to_dense()
@@ -195,7 +223,7 @@ class PackedLinear(LinearWrapper):
         """The packed copy's size while the dense weight is kept too, else 0."""
         if not self.dense:
             return 0
-        if self.kind == "fp16":
+        if self.kind == "fp16" and not self.panels:
             return self.in_features * self.out_features * 2
         return self.packed.numel() * self.packed.element_size()
 
@@ -212,6 +240,8 @@ class PackedLinear(LinearWrapper):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active and self.dense:
             return self.inner(x)
+        if self.panels:
+            return fp16.linear(x, self.packed, self.bias32, self.out_features)
         if self.kind == "fp16":
             return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
         bias = self.inner.bias
@@ -273,7 +303,9 @@ class WeightPacker:
 @functools.cache
 def _say_unpacked() -> None:
     how = {
-        "fp16": "packed forwards run on exact fp16 copies of the bf16 weights, prepacked for fbgemm (their memory again)",
+        "fp16": "packed forwards run on exact fp16 copies of the bf16 weights (their memory again), "
+                + ("in panels for our kernel (selfspec.draft.fp16)" if fp16_kernel() != "fbgemm" else
+                   f"prepacked for fbgemm (our fp16 kernel: {fp16.unavailable_reason()})"),
         "fp32": "packed forwards over 3 or more rows run on fp32 copies of the bf16 weights, prepacked for oneDNN "
                 "(twice their memory); 1-2 row steps on the stock bf16 kernel",
     }.get(pack_format(), "every method runs on the stock kernels")

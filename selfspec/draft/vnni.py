@@ -123,6 +123,14 @@ def _load_once():
 
 
 def _build(name: str):
+    suffix = "" if name == "avx512-vnni" else f"-{name}"  # the AVX-512 build keeps the folder it had
+    compile_extension(SOURCE, f"int4_vnni{suffix}", ["-O3", "-fopenmp", *BUILDS[name][1]])
+    return torch.ops.selfspec_vnni
+
+
+def compile_extension(source: Path, stem: str, flags: list[str]) -> None:
+    """Compile (or load the cached build of) the C++ operator library ``source`` with torch's ``cpp_extension``,
+    into ``$SELFSPEC_CACHE/kernels/<stem>-torch<version>-<checkout>``; it registers its own ``torch.ops`` namespace."""
     from torch.utils.cpp_extension import load
 
     from selfspec.assets.fetch import default_cache_dir
@@ -133,14 +141,11 @@ def _build(name: str):
         os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), scripts]).strip(os.pathsep)
     # one build folder per checkout (the build file names the source's path: checkouts sharing a folder would
     # rebuild each other's) and torch version; torch rebuilds in place when the source changes
-    where = hashlib.sha256(str(SOURCE.resolve()).encode()).hexdigest()[:12]
-    suffix = "" if name == "avx512-vnni" else f"-{name}"  # the AVX-512 build keeps the folder it had
-    build = default_cache_dir() / "kernels" / f"int4_vnni{suffix}-torch{torch.__version__.split('+')[0]}-{where}"
+    where = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
+    build = default_cache_dir() / "kernels" / f"{stem}-torch{torch.__version__.split('+')[0]}-{where}"
     build.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-fopenmp", *BUILDS[name][1]]
-    load(f"selfspec_int4_vnni{suffix.replace('-', '_')}", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-         build_directory=str(build), verbose=False, is_python_module=False)  # registers torch.ops.selfspec_vnni
-    return torch.ops.selfspec_vnni
+    load(f"selfspec_{stem.replace('-', '_')}", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+         build_directory=str(build), verbose=False, is_python_module=False)
 
 
 def pack(q: torch.Tensor, scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

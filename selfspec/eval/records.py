@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from selfspec.assets.data import Sample
-from selfspec.draft.packed import pack_format
+from selfspec.draft.packed import pack_format, pack_label
 from selfspec.engine.decoding import DecodeConfig, Generation
 from selfspec.engine.stats import DecodeStats
 
@@ -111,7 +111,8 @@ def decode_record(cfg: DecodeConfig) -> dict:
     before they existed still resume: those made on the weights as loaded with
     ``decoding.packed_weights=false``, those with packed copies as they are. On a CPU
     that cannot pack bf16 weights (:func:`~selfspec.draft.packed.pack_format`) the
-    packing is recorded as it ran: ``packed_weights: fp16`` / ``fp32`` for the copies, absent
+    packing is recorded as it ran: ``packed_weights: fp16`` / ``fp32`` for the copies (``fp16 panels r1`` where our
+    fp16 kernel computed them, :func:`~selfspec.draft.packed.pack_label`), absent
     with no oneDNN (the weights as loaded). Likewise ``rows``
     appears only when not 1, ``exact`` only when on, ``gate`` and ``gate_probe``
     only with the gate on, ``attention`` only when not ``sdpa`` (runs before it attended so).
@@ -121,7 +122,7 @@ def decode_record(cfg: DecodeConfig) -> dict:
     if fmt is None:  # asked for, but this CPU runs the weights as loaded: recorded as it ran
         rec["packed_weights"] = rec["packed_only"] = False
     elif fmt in ("fp16", "fp32") and rec["packed_weights"]:
-        rec["packed_weights"] = fmt
+        rec["packed_weights"] = pack_label()
     for key in ("packed_weights", "packed_only", "exact", "gate"):
         if not rec[key]:
             del rec[key]

@@ -145,7 +145,7 @@ def _kernels(fp: dict, method: str) -> str:
     if method.startswith("hf_"):
         return "stock"  # runs before the packed variants existed
     packed = decode.get("packed_weights")
-    return (f"packed {packed}" if packed in ("fp16", "fp32") else "packed" if packed else "stock") + extra
+    return (f"packed {packed}" if isinstance(packed, str) else "packed" if packed else "stock") + extra
 
 
 def _speedup(r: dict) -> str:

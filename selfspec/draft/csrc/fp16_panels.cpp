@@ -1,0 +1,136 @@
+// fp16 weights x fp32 activations for the verify's few rows: our loop's packed products on AVX2 (selfspec/draft/fp16.py).
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] + bias[n] for x [M, K] (bf16 or fp32) and the exact fp16 copy of a bf16 weight,
+// laid out in panels of 16 outputs: w [P, K, 16] fp16, P = ceil(N / 16), panel p holding outputs 16p..16p+15 for each
+// input k (zeros past N). The products run in fp32 on AVX2 + FMA + F16C: each 16-output panel is read once per call
+// for all M rows (blocks of 6 rows x 16 outputs in twelve ymm accumulators, the panel's blocks of 256 inputs kept in
+// L1 across the row blocks), so a forward over 2-16 rows reads the weights about as fast as over one. fbgemm's fp16
+// kernel, which this replaces on such CPUs, handles 6 rows at a time and reads every weight again for each further 6
+// (results/PERF.md, thirty-second session). The sums run in fp32 in another order than fbgemm's: the same numbers up
+// to rounding, rounded once to the output's dtype.
+#include <torch/library.h>
+#include <torch/torch.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+namespace {
+constexpr int64_t KC = 256;        // inputs per block: a panel's block (8 KiB) stays in L1 across the row blocks
+constexpr int PF_AHEAD = 4096;     // software prefetch distance in a panel (bytes; 2048 read a little slower)
+
+// c[m, 0:16] (+)= sum over kc inputs of x[m, k] * w[k, 0:16] for MR rows, in registers: MR x 2 accumulators, or U
+// independent sets of them over consecutive inputs where MR is small (the FMA's latency needs ~8 chains). The
+// accumulators start from c (load_c) instead of being added to it at the end: a branch there made GCC keep them on
+// the stack (half the speed). PF: prefetch the panel ahead (the first row block of a panel's pass only).
+template <int MR, bool PF>
+inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, float* c, bool load_c) {
+  constexpr int U = MR == 1 ? 4 : (MR <= 3 ? 2 : 1);
+  __m256 acc[U][MR][2];
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m) {
+    acc[0][m][0] = load_c ? _mm256_loadu_ps(c + m * 16) : _mm256_setzero_ps();
+    acc[0][m][1] = load_c ? _mm256_loadu_ps(c + m * 16 + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) acc[u][m][0] = acc[u][m][1] = _mm256_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + U <= kc; k += U) {
+    if constexpr (PF) {  // one prefetch per 64-byte line of the panel (U * 32 bytes an iteration)
+#pragma GCC unroll 4
+      for (int u = 0; u < (U + 1) / 2; ++u) _mm_prefetch(reinterpret_cast<const char*>(w + (k + 2 * u) * 16) + PF_AHEAD, _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + u) * 16)));
+      const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + u) * 16 + 8)));
+#pragma GCC unroll 6
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k + u);
+        acc[u][m][0] = _mm256_fmadd_ps(xb, w0, acc[u][m][0]);
+        acc[u][m][1] = _mm256_fmadd_ps(xb, w1, acc[u][m][1]);
+      }
+    }
+  }
+  for (; k < kc; ++k) {
+    const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 16)));
+    const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 16 + 8)));
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+      acc[0][m][0] = _mm256_fmadd_ps(xb, w0, acc[0][m][0]);
+      acc[0][m][1] = _mm256_fmadd_ps(xb, w1, acc[0][m][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m) {
+    __m256 s0 = acc[0][m][0], s1 = acc[0][m][1];
+#pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) { s0 = _mm256_add_ps(s0, acc[u][m][0]); s1 = _mm256_add_ps(s1, acc[u][m][1]); }
+    _mm256_storeu_ps(c + m * 16, s0);
+    _mm256_storeu_ps(c + m * 16 + 8, s1);
+  }
+}
+
+// Calls f with the row count 1..6 as a compile-time constant.
+template <typename F>
+inline void with_rows(int64_t mr, F&& f) {
+  switch (mr) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
+  }
+}
+
+// x [M, K] bf16 or fp32, w [P, K, 16] fp16 panels, bias fp32 [n_out] or none -> [M, n_out] in x's dtype. The
+// threads split the panels; each computes a panel's M x 16 outputs in fp32 (a tile) and rounds them once.
+at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n_out) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kHalf && w.is_contiguous(),
+              "fp16_mm: x [M, K] and w [P, K, 16] fp16, contiguous");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == n_out), "fp16_mm: bias fp32 [n_out]");
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const int64_t M = x32.size(0), K = x32.size(1), P = w.size(0);
+  TORCH_CHECK(w.size(1) == K && n_out <= P * 16 && n_out > (P - 1) * 16, "fp16_mm: w's shape does not fit x and n_out");
+  at::Tensor out = at::empty({M, n_out}, x.options());
+  const float* xp = x32.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>());
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "fp16_mm: x bf16 or fp32");
+  at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> tile(M * 16);
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* wpan = wp + p * K * 16;
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        for (int64_t m0 = 0; m0 < M; m0 += 6) {
+          with_rows(std::min<int64_t>(6, M - m0), [&](auto mr) {
+            constexpr int R = decltype(mr)::value;
+            if (m0 == 0) micro<R, true>(xp + m0 * K + k0, K, wpan + k0 * 16, kc, tile.data() + m0 * 16, k0 > 0);
+            else micro<R, false>(xp + m0 * K + k0, K, wpan + k0 * 16, kc, tile.data() + m0 * 16, k0 > 0);
+          });
+        }
+      }
+      const int64_t n0 = p * 16, nn = std::min<int64_t>(16, n_out - n0);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < nn; ++j) {
+          const float v = tile[m * 16 + j] + (bp ? bp[n0 + j] : 0.f);
+          if (ob) ob[m * n_out + n0 + j] = c10::BFloat16(v);
+          else of[m * n_out + n0 + j] = v;
+        }
+    }
+  });
+  return out;
+}
+}  // namespace
+
+TORCH_LIBRARY(selfspec_fp16, m) { m.def("fp16_mm(Tensor x, Tensor w, Tensor? bias, int n_out) -> Tensor"); }
+TORCH_LIBRARY_IMPL(selfspec_fp16, CPU, m) { m.impl("fp16_mm", &fp16_mm); }

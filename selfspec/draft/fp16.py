@@ -1,0 +1,104 @@
+"""Our fp16 product for the packed forwards on AVX2 CPUs (``csrc/fp16_panels.cpp``).
+
+On a CPU that cannot prepack bf16 weights for oneDNN (AVX2 only, e.g. a Zen 3 EPYC), our loop's packed forwards run on
+exact fp16 copies of the bf16 weights (:mod:`selfspec.draft.packed`). fbgemm's fp16 kernel computes 6 rows at a time
+and reads every weight again for each further 6, so on a 2-core Zen 3 a 1.5B forward over 8 rows cost 2.3x one over a
+single row, and over 6 rows 1.45x (``scripts/verify_width.py``, results/PERF.md). This kernel keeps the same fp16
+copies in panels of 16 outputs and reads each panel once for all rows of a call: a verify over 2-16 rows reads the
+weights about as fast as a plain step over one. The sums run in fp32 as fbgemm's do, in another order: the same
+numbers up to rounding.
+
+It is compiled on first use like the int4 kernel (:func:`selfspec.draft.vnni.compile_extension`, ~15 s) and needs
+AVX2, FMA and F16C. :func:`available` says whether it runs here; ``SELFSPEC_FP16_KERNEL=fbgemm`` keeps fbgemm's. The
+kernel that ran is recorded (``packed_weights`` in a run's decode settings, ``kernels`` in the machine fingerprint),
+so runs and cost models of the two never mix.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from selfspec.draft import vnni
+
+SOURCE = Path(__file__).parent / "csrc" / "fp16_panels.cpp"
+FLAGS = ("fma", "avx2", "f16c")
+REVISION = 1  # a change that moves its speed is a new revision: cost models timed on another re-measure
+PANEL = 16  # outputs per panel
+ENV = "SELFSPEC_FP16_KERNEL"  # fbgemm: never use this kernel
+_LOCK = threading.Lock()
+
+
+def available() -> bool:
+    """Whether the packed fp16 products run on this kernel here (builds it on first call)."""
+    return _load()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    return _load()[1]
+
+
+def label() -> str:
+    """The kernel's name in records: ``panels r<revision>``."""
+    return f"panels r{REVISION}"
+
+
+def build_in_background() -> threading.Thread:
+    """Start building (or loading) the kernel in a thread; join it before timing anything."""
+    thread = threading.Thread(target=_load, name="fp16-kernel-build", daemon=True)
+    thread.start()
+    return thread
+
+
+def _load():
+    with _LOCK:
+        return _load_once()
+
+
+@functools.cache
+def _load_once():
+    if os.environ.get(ENV, "").lower() == "fbgemm":
+        return None, f"{ENV}=fbgemm"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"not an x86-64 CPU ({platform.machine()})"
+    missing = [f for f in FLAGS if f not in vnni.cpu_flags()]
+    if missing:
+        return None, f"the CPU lacks {', '.join(missing)}"
+    try:
+        vnni.compile_extension(SOURCE, "fp16_panels", ["-O3", "-fopenmp", "-mfma", "-mavx2", "-mf16c"])
+    except Exception as e:  # noqa: BLE001 - a compiler, ninja or header problem: fall back, say why
+        reason = f"its build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
+        print(f"selfspec: packed fp16 products run on fbgemm's kernel: ours' {reason}", file=sys.stderr)
+        return None, reason
+    return torch.ops.selfspec_fp16, None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The panels ``[ceil(N/16), K, 16]`` fp16 of a weight ``[N, K]`` (exact where the weight's values fit fp16)."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=torch.float16)
+    padded[:n] = weight
+    return padded.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The weight ``[n, K]`` (fp16) that :func:`pack` laid out."""
+    p, k, _ = panels.shape
+    return panels.transpose(1, 2).reshape(p * PANEL, k)[:n]
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x @ w.T + bias`` for ``x [..., K]`` (bf16 or fp32), in x's dtype; ``bias`` fp32 or None."""
+    module = _load()[0]
+    if module is None:
+        raise RuntimeError(f"the fp16 panel kernel does not run here: {unavailable_reason()}")
+    lead = x.shape[:-1]
+    y = module.fp16_mm(x.reshape(-1, x.shape[-1]), panels, bias, n)
+    return y.reshape(*lead, n)
