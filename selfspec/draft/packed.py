@@ -24,10 +24,13 @@ oneDNN prepacks bf16 only on CPUs with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT
 stock bf16 kernel is slow for one row and costs about as much per extra row as
 for the first (a 6-row forward of the 1.5B ran 4.8x a one-row step there), which
 would make every verify pass as dear as several plain steps. There
-(:func:`pack_format` ``fp16``) each bf16 weight gets an fp16 copy prepacked for
-fbgemm (``torch.ops.quantized.linear_prepack_fp16``), used for every input: the
-packed products read fp16 weights, accumulate in fp32 and are rounded back to
-bf16. The copy is taken only where it holds the bf16 values exactly (a bf16 value
+(:func:`pack_format` ``fp16``) each bf16 weight gets an fp16 copy, used for every input:
+the packed products read fp16 weights, accumulate in fp32 and are rounded back to
+bf16. Our kernel computes them where it builds (:mod:`selfspec.draft.fp16`: the copy in
+panels of 16 outputs, read once for all rows of a forward, so a 6-row verify of the 1.5B
+costs 1.05 one-row forwards); else fbgemm's (``torch.ops.quantized.linear_prepack_fp16``),
+which reads the weights again for every 6 rows (1.26 at 6 rows, 1.80 at 8:
+:func:`fp16_kernel` says which, results/PERF.md). The copy is taken only where it holds the bf16 values exactly (a bf16 value
 below 2**-17 in magnitude may not fit fp16's subnormals; Qwen2.5-Coder-1.5B has
 none); a weight that does not fit gets an fp32 copy for oneDNN's fp32 kernel
 instead. The results are the same numbers as the stock kernel's up to the order
@@ -181,8 +184,9 @@ class LinearWrapper(nn.Module):
 class PackedLinear(LinearWrapper):
     """An ``nn.Linear`` that also keeps its weight prepacked, used while ``active``.
 
-    ``kind``: ``bf16`` (oneDNN's layout), ``fp16`` (an exact fp16 copy for fbgemm) or ``fp32`` (an fp32 copy
-    for oneDNN), as :func:`pack_format` says, ``fp32`` for a weight that fp16 does not hold exactly.
+    ``kind``: ``bf16`` (oneDNN's layout), ``fp16`` (an exact fp16 copy, in our kernel's panels where ``panels``,
+    else prepacked for fbgemm) or ``fp32`` (an fp32 copy for oneDNN), as :func:`pack_format` says, ``fp32`` for a
+    weight that fp16 does not hold exactly.
     Without its dense weight (:meth:`drop_dense`) it always computes on the packed one.
     """
 
