@@ -8,10 +8,10 @@ copies in panels of 16 outputs and reads each panel once for all rows of a call:
 weights about as fast as a plain step over one. The sums run in fp32 as fbgemm's do, in another order: the same
 numbers up to rounding.
 
-It is compiled on first use like the int4 kernel (:func:`selfspec.draft.vnni.compile_extension`, ~15 s) and needs
-AVX2, FMA and F16C. :func:`available` says whether it runs here; ``SELFSPEC_FP16_KERNEL=fbgemm`` keeps fbgemm's. The
-kernel that ran is recorded (``packed_weights`` in a run's decode settings, ``kernels`` in the machine fingerprint),
-so runs and cost models of the two never mix.
+It is compiled on first use like the int4 kernel (:func:`selfspec.draft.vnni.compile_extension`, ~55 s on a
+2-core Zen 3) and needs AVX2, FMA and F16C. :func:`available` says whether it runs here;
+``SELFSPEC_FP16_KERNEL=fbgemm`` keeps fbgemm's. The kernel that ran is recorded (``packed_weights`` in a run's
+decode settings, ``kernels`` in the machine fingerprint), so runs and cost models of the two never mix.
 """
 
 from __future__ import annotations

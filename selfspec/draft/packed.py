@@ -123,9 +123,8 @@ def fp16_kernel() -> str | None:
 def pack_label() -> str | None:
     """:func:`pack_format`, with our fp16 kernel's name where it computes the fp16 copies (``fp16 panels r1``):
     what records and machine fingerprints say, so runs and cost models of the two fp16 kernels never mix."""
-    fmt = pack_format()
-    kernel = fp16_kernel() if fmt == "fp16" else None
-    return f"fp16 {kernel}" if kernel not in (None, "fbgemm") else fmt
+    kernel = fp16_kernel()
+    return f"fp16 {kernel}" if kernel not in (None, "fbgemm") else pack_format()
 
 
 def default_rows() -> int:
