@@ -26,13 +26,12 @@ import optuna
 
 from selfspec.assets.models import load_model
 from selfspec.draft.packed import kernels_label
-from selfspec.draft.path import DraftOptions
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig
 from selfspec.errors import SelfSpecError
 from selfspec.eval.harness import interleaved, paired_ratios, recording
 from selfspec.provenance import git_commit, machine_fingerprint
-from selfspec.search.costs import CostModel, measure_costs, weight_format
+from selfspec.search.costs import CostModel, costs_for_drafts
 from selfspec.search.pipeline import skip_free, spread, study_calibration
 from selfspec.search.retime import AR, plan_runner, spec_runner
 from selfspec.search.simulate import RoundSimulator
@@ -54,17 +53,6 @@ def drafts_of(study_path: str, name: str, num_layers: int, model: str, top: int,
     for d in out:
         unique.setdefault(d.key, d)
     return list(unique.values())
-
-
-def remeasured(lm, context: list[int], drafts: list[DraftSpec]) -> CostModel:
-    """A cost model measured now, over what ``drafts`` use (as the search measures it for its space)."""
-    opts = [d.options for d in drafts]
-    formats = {weight_format(o): DraftOptions(weights=o.weights, group_size=o.group_size) for o in opts}
-    formats.setdefault("model", DraftOptions())
-    heads = [DraftOptions(head_weights=o.head_weights, group_size=o.group_size) for o in opts if o.head_weights != "model"]
-    longest = max(max(d.k, o.copy_tokens if o.ngram else 0, o.tree_nodes if o.tree else 0) for d, o in zip(drafts, opts))
-    return measure_costs(lm.model, context, list(formats.values()), sorted({0, *(o.head_tokens for o in opts)}),
-                         longest + 1, stop_ids=lm.eos_ids, machine=machine_fingerprint(), head_formats=heads)
 
 
 def measured_parts(stats) -> dict[str, float]:
@@ -100,7 +88,7 @@ def main() -> None:
     drafts = drafts_of(args.study, name, lm.num_layers, lm.name, args.top, args.draft)
     if args.remeasure:
         print("measuring the cost model", file=sys.stderr, flush=True)
-        costs = remeasured(lm, saved["key"]["prompts"][0] + saved["continuations"][0], drafts)
+        costs = costs_for_drafts(lm, saved["key"]["prompts"][0] + saved["continuations"][0], drafts)
     outputs: list[list[int]] = []
     base = DecodeConfig(max_new_tokens=args.tokens, fallback=False)
     runs = {AR: recording(plan_runner(lm.model, lm.eos_ids, None, base), outputs)}

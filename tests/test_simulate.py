@@ -144,3 +144,21 @@ def test_drafts_sharing_a_forward_reuse_its_outputs(make_model):
         fresh.memo.clear()
     assert fresh.forwards > ran  # the drafts of one forward asked for chunks the others had run
     assert len(shared.memo) == 2
+
+
+@pytest.mark.parametrize("name", ["skip", "adaptive", "copy"])
+def test_the_oracle_accepts_every_model_draft(make_model, name):
+    """The oracle's model rounds accept all they drafted (its copy rounds are the draft's own), so it emits the same
+    tokens in no more rounds than the draft, each model round k + 1 tokens but where the continuation's end cuts k."""
+    model = make_model("llama", torch.float64)
+    spec = SPECS[name]
+    conts = [autoregressive(model, p, DecodeConfig(max_new_tokens=30)).tokens for p in PROMPTS]
+    sim = RoundSimulator(model, PROMPTS, conts)
+    real, oracle = sim.simulate(spec), sim.simulate(spec, oracle=True)
+    assert oracle.tokens == real.tokens and oracle.rounds <= real.rounds
+    assert real.accepted < real.drafted, "the tiny model's draft should miss somewhere"
+    assert oracle.tokens_per_round > real.tokens_per_round
+    if not spec.options.ngram:
+        assert oracle.accepted == oracle.drafted
+        if not spec.adaptive:
+            assert max(oracle.model_rounds) == spec.k and sum(oracle.model_rounds.values()) <= -(-30 // (spec.k + 1)) * 4

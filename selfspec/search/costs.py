@@ -39,6 +39,7 @@ from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import DecodeConfig, autoregressive, forward_at, self_speculative
 from selfspec.engine.stats import Clock
 from selfspec.eval.harness import rotated
+from selfspec.provenance import machine_fingerprint
 from selfspec.search.simulate import RoundCounts
 
 # The way costs are measured; a saved cost model of another version is measured again. 2: each draft path
@@ -321,3 +322,15 @@ def confidence_cost(model, reps: int = 31) -> float:
         times.append(clock.now() - t0)
     return statistics.median(times[1:])
 
+
+def costs_for_drafts(lm, context: list[int], drafts: list[DraftSpec]) -> CostModel:
+    """A cost model measured now over what ``drafts`` use (as the search measures it for its space), for scripts
+    that price drafts on this machine and the kernels checked out; ``lm``: a loaded model, ``context`` one
+    prompt and its continuation."""
+    opts = [d.options for d in drafts]
+    formats = {weight_format(o): DraftOptions(weights=o.weights, group_size=o.group_size) for o in opts}
+    formats.setdefault("model", DraftOptions())
+    heads = [DraftOptions(head_weights=o.head_weights, group_size=o.group_size) for o in opts if o.head_weights != "model"]
+    longest = max(max(d.k, o.copy_tokens if o.ngram else 0, o.tree_nodes if o.tree else 0) for d, o in zip(drafts, opts))
+    return measure_costs(lm.model, context, list(formats.values()), sorted({0, *(o.head_tokens for o in opts)}),
+                         longest + 1, stop_ids=lm.eos_ids, machine=machine_fingerprint(), head_formats=heads)
