@@ -2,7 +2,7 @@
 
     python scripts/tree_bound.py results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v8.db \
         --draft results/plans/qwen2.5-coder-1.5b-tasks-avx2-v8.json [--tokens 128] \
-        [--groups humaneval gsm8k mtbench summarization] [--branch 0.3 0.6 1.0] [--nodes 8 12] \
+        [--groups humaneval gsm8k mtbench summarization] [--branch 0.3 0.6 0.99] [--nodes 8 12] \
         [--dtype bfloat16] [--out results/tree_bound.jsonl]
 
 Decodes the study's calibration prompts with our AR (``--tokens`` each) and simulates the draft's rounds on those
@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--groups", nargs="*", default=["humaneval", "gsm8k", "mtbench", "summarization"],
                     help="names of the study's parts, in order (none: one group)")
-    ap.add_argument("--branch", type=float, nargs="*", default=[0.3, 0.6, 1.0], help="branch_below values to simulate")
+    ap.add_argument("--branch", type=float, nargs="*", default=[0.3, 0.6, 0.99], help="branch_below values to simulate")
     ap.add_argument("--nodes", type=int, nargs="*", default=[8, 12], help="tree_nodes values to simulate")
     ap.add_argument("--dtype", default="bfloat16", help="the model's dtype, as the search ran it")
     ap.add_argument("--out", default="results/tree_bound.jsonl")
