@@ -3,7 +3,7 @@
     python scripts/tree_bound.py results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v8.db \
         --draft results/plans/qwen2.5-coder-1.5b-tasks-avx2-v8.json [--tokens 128] \
         [--groups humaneval gsm8k mtbench summarization] [--branch 0.3 0.6 0.99] [--nodes 8 12] \
-        [--dtype bfloat16] [--out results/tree_bound.jsonl]
+        [--k 3 4 6 8 10] [--dtype bfloat16] [--out results/tree_bound.jsonl]
 
 Decodes the study's calibration prompts with our AR (``--tokens`` each) and simulates the draft's rounds on those
 continuations (:mod:`selfspec.search.simulate`, exact for greedy decoding):
@@ -14,7 +14,10 @@ continuations (:mod:`selfspec.search.simulate`, exact for greedy decoding):
   is under ``b``, at most ``n`` nodes, for every ``--branch`` and ``--nodes``;
 - ``oracle``: the chain, with every model-drafted round accepting all it drafted: the tokens per round of a tree that
   always holds the target's continuation to the chain's depth, the most any tree of that depth over this draft
-  reaches (copy rounds as the chain's).
+  reaches (copy rounds as the chain's);
+- ``chain k=K`` and ``oracle k=K`` for every ``--k``: the same at other depths. A tree drafted in ``K`` sequential
+  draft forwards emits at most the tokens of ``oracle k=K`` and costs at least its price, so the best ``oracle k=K``
+  bounds the speed of every such tree over this draft (copy rounds as the chain's).
 
 Every variant is priced by a cost model measured now, on the kernels checked out (a tree of ``n`` nodes verifies
 ``n + 1`` rows; the oracle is priced as the chain, so its price is a bound too). Prints, per group of prompts and
@@ -42,10 +45,13 @@ from selfspec.search.simulate import RoundSimulator
 ORACLE = "oracle"
 
 
-def variants(spec: DraftSpec, branches: list[float], nodes: list[int]) -> dict[str, DraftSpec]:
-    """The chain, the draft as found, and its trees, by name."""
-    out = {"chain": replace(spec, options=replace(spec.options, copy_candidates=1, branch_below=0.0)),
-           "as found": spec}
+def variants(spec: DraftSpec, branches: list[float], nodes: list[int], ks: list[int]) -> dict[str, DraftSpec]:
+    """The chain, the draft as found, its trees and the chain at other depths, by name (the oracles are chains)."""
+    chain = replace(spec, options=replace(spec.options, copy_candidates=1, branch_below=0.0))
+    out = {"chain": chain, "as found": spec}
+    for k in ks:
+        if k != spec.k:
+            out[f"chain k={k}"] = replace(chain, k=k)
     for n in nodes:
         out[f"tree copies only/{n}"] = replace(spec, options=replace(spec.options, copy_candidates=3, branch_below=0.0,
                                                                      tree_nodes=n))
@@ -75,6 +81,7 @@ def main() -> None:
                     help="names of the study's parts, in order (none: one group)")
     ap.add_argument("--branch", type=float, nargs="*", default=[0.3, 0.6, 0.99], help="branch_below values to simulate")
     ap.add_argument("--nodes", type=int, nargs="*", default=[8, 12], help="tree_nodes values to simulate")
+    ap.add_argument("--k", type=int, nargs="*", default=[3, 4, 6, 8, 10], help="other depths for the chain and oracle")
     ap.add_argument("--dtype", default="bfloat16", help="the model's dtype, as the search ran it")
     ap.add_argument("--out", default="results/tree_bound.jsonl")
     args = ap.parse_args()
@@ -82,7 +89,8 @@ def main() -> None:
     spec = DraftSpec.load(args.draft)
     prompts = saved["key"]["prompts"]
     groups = group_of(len(prompts), args.groups)
-    drafts = variants(spec, args.branch, args.nodes)
+    drafts = variants(spec, args.branch, args.nodes, args.k)
+    oracles = {ORACLE: drafts["chain"]} | {f"oracle {n[6:]}": d for n, d in drafts.items() if n.startswith("chain k=")}
     cfg = DecodeConfig(max_new_tokens=args.tokens)
     conts = []
     for i, p in enumerate(prompts, 1):
@@ -92,10 +100,10 @@ def main() -> None:
     costs = costs_for_drafts(lm, prompts[0] + conts[0], list(drafts.values()))
     sim = RoundSimulator(lm.model, prompts, conts, lm.eos_ids)
     rows = []
-    for label, d in [*drafts.items(), (ORACLE, drafts["chain"])]:
+    for label, d in [*drafts.items(), *oracles.items()]:
         print(f"simulating {label}", file=sys.stderr, flush=True)
         for group, idx in groups:
-            counts = sim.simulate(d, prompts=idx, oracle=label == ORACLE)
+            counts = sim.simulate(d, prompts=idx, oracle=label in oracles)
             rows.append({"variant": label, "group": group, "tokens_per_round": counts.tokens_per_round,
                          "acceptance": counts.acceptance, "decode_speedup": costs.predicted_speedup(counts, d),
                          "rounds": counts.to_dict()})
@@ -106,7 +114,7 @@ def main() -> None:
           f"{costs.machine.get('kernels', '?')})")
     print("variant".ljust(22) + "".join(f"{g[:13]:>16}" for g in names) + f"{'mean':>16}")
     summary = {}
-    for label in [*drafts, ORACLE]:
+    for label in [*drafts, *oracles]:
         tpr = [by[(label, g)]["tokens_per_round"] for g in names]
         gain = [t / by[("chain", g)]["tokens_per_round"] for g, t in zip(names, tpr)]
         speed = [by[(label, g)]["decode_speedup"] for g in names]

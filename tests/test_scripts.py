@@ -131,14 +131,18 @@ def test_calibration_length_replays_the_study_at_its_own_length(tmp_path, tiny_s
 def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, tiny_study):
     out, plan = tmp_path / "bound.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
     p = _script("tree_bound.py", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens", "12",
-                "--groups", "--branch", "0.5", "--nodes", "6", "--dtype", "float32", "--out", str(out))
+                "--groups", "--branch", "0.5", "--nodes", "6", "--k", "1", "7", "--dtype", "float32", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["groups"] == ["all"] and record["machine"] and record["costs"]["t_full"] > 0
-    assert set(record["summary"]) == {"chain", "as found", "tree copies only/6", "tree 0.5/6", "oracle"}
+    depths = {f"{kind} k={k}" for k in (1, 7) if k != json.loads(plan.read_text())["k"] for kind in ("chain", "oracle")}
+    assert set(record["summary"]) == {"chain", "as found", "tree copies only/6", "tree 0.5/6", "oracle", *depths}
     rows = {r["variant"]: r for r in record["rows"]}
     assert {r["rounds"]["tokens"] for r in rows.values()} == {rows["chain"]["rounds"]["tokens"]}  # same continuations
-    assert rows["oracle"]["tokens_per_round"] >= rows["chain"]["tokens_per_round"]
+    for label in [lab for lab in rows if lab.startswith("oracle")]:
+        chain = rows[label.replace("oracle", "chain")]
+        assert rows[label]["tokens_per_round"] >= chain["tokens_per_round"]
+        assert rows[label]["decode_speedup"] >= chain["decode_speedup"] * 0.999
     assert record["summary"]["chain"]["tokens_gain"] == 1.0 and "oracle" in p.stdout
 
 

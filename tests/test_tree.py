@@ -53,6 +53,9 @@ def test_tree_budget_cuts_paths():
     assert t.add_path([1, 9, 9], "b") == [1, 3]  # one new node left
     assert t.add_path([7], "c") == []
     assert t.drafted == 3
+    long = DraftTree(root=0, budget=3)
+    assert long.add_path([1, 2, 3, 4, 5], "copy#1") == [1, 2, 3, 4, 5]  # the first path whole: the chain's own
+    assert long.add_path([1, 6], "copy#2") == [1] and long.drafted == 5
 
 
 def test_greedy_acceptance_follows_the_argmax():

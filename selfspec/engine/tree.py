@@ -41,7 +41,7 @@ from selfspec.engine.sampling import sample
 
 
 class DraftTree:
-    """A trie of drafted tokens below the pending token, with a node budget."""
+    """A trie of drafted tokens below the pending token, with a node budget (the first path always whole)."""
 
     def __init__(self, root: int, budget: int) -> None:
         self.tokens = [int(root)]
@@ -69,16 +69,19 @@ class DraftTree:
                  proposals: list[torch.Tensor] | None = None) -> list[int]:
         """Insert ``tokens`` below ``parent``; returns the path's nodes (shorter where the budget ran out).
 
+        The first path goes in whole, however long: the budget bounds what the later candidates add beside
+        it, so a tree never verifies less of its best candidate than the chain would.
         ``proposals`` (sampling): the distribution each token was drawn from. A drawn token must be
         its parent's first child (see the module's docstring); chosen tokens may go anywhere.
         """
+        whole = self.drafted == 0
         node, path = parent, []
         for i, t in enumerate(tokens):
             t = int(t)
             nxt = self.children[node].get(t)
             q = proposals[i] if proposals else None
             if nxt is None:
-                if self.drafted >= self.budget:
+                if self.drafted >= self.budget and not whole:
                     break
                 if q is not None and self.children[node]:
                     raise ValueError("a drawn token must be tried first at its node: insert drawn paths first")

@@ -451,12 +451,15 @@ class RoundSimulator:
                     fallback.extend(c[len(fallback.tokens) - P : i + 1])
                     copies = fallback.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates)
                 branch = opts.branch_below if tree else 0.0
-                lazy = self.lazy and not branch and not copies
-                drafted_out = yield i, k, lazy
-                while not _decided(drafted_out, c, i, k, threshold, lazy):
+                if oracle and not threshold.on and not branch and not copies:
+                    modelled = nodes = depth = accepted = k  # a fixed k all accepted: no forward needed
+                else:
+                    lazy = self.lazy and not branch and not copies
                     drafted_out = yield i, k, lazy
-                modelled, accepted, nodes, depth = _model_round(
-                    drafted_out, c, i, k, threshold, branch, opts.tree_nodes, copies)
+                    while not _decided(drafted_out, c, i, k, threshold, lazy):
+                        drafted_out = yield i, k, lazy
+                    modelled, accepted, nodes, depth = _model_round(
+                        drafted_out, c, i, k, threshold, branch, opts.tree_nodes, copies)
                 if oracle:
                     accepted = depth
                 if nodes > modelled:
