@@ -146,6 +146,25 @@ def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, tiny_study):
     assert record["summary"]["chain"]["tokens_gain"] == 1.0 and "oracle" in p.stdout
 
 
+def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path):
+    def row(sample, method, tokens, seconds, rounds=0, accepted=0):
+        return {"type": "sample", "sample_id": sample, "method": method, "turns": 1, "new_tokens": tokens,
+                "wall_time_s": seconds, "ttft_s": 0.1, "token_latencies_s": [seconds / tokens] * tokens,
+                "rounds": rounds, "drafted": accepted + rounds, "accepted": accepted, "drafted_per_position": [],
+                "accepted_per_position": [], "output_sha256": "x"}
+
+    folder = tmp_path / "m" / "gsm8k"
+    folder.mkdir(parents=True)
+    rows = [row("a", "tree", 20, 1.0, 4, 12), row("b", "tree", 30, 3.0, 6, 18), row("a", "chain", 20, 2.0, 5, 10),
+            row("b", "chain", 30, 3.0, 7, 16)]
+    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = _script("paired_ratio.py", str(tmp_path / "m"), "tree", "chain")
+    assert p.returncode == 0, p.stderr[-2000:]
+    # 50 tokens in 4 s over 50 in 5 s; tokens a round 1 + 30/10 and 1 + 26/12
+    assert "gsm8k" in p.stdout and "tree over chain: 1.250x (95% " in p.stdout and "tokens a round 4.00 / 3.17" in p.stdout
+    assert _script("paired_ratio.py", str(tmp_path / "m"), "tree", "ar").returncode != 0
+
+
 def _copy_replay():
     import importlib.util
 

@@ -84,6 +84,28 @@ def test_the_environment_variable_turns_the_kernel_off(monkeypatch):
         vnni._load_once.cache_clear()
 
 
+@pytest.mark.parametrize("env, flags, reason", [
+    ("fbgemm", {"fma", "avx2", "f16c"}, "SELFSPEC_FP16_KERNEL=fbgemm"),
+    ("", {"fma", "avx2"}, "the CPU lacks f16c"),
+])
+def test_the_fp16_kernel_loads_as_the_int4_one(monkeypatch, env, flags, reason):
+    """Our fp16 kernel goes through the same loader: its switch, the CPU's flags, nothing built where it cannot run."""
+    from selfspec.draft import fp16
+
+    built = []
+    fp16._load_once.cache_clear()
+    monkeypatch.setenv(fp16.ENV, env)
+    monkeypatch.setattr(vnni.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(vnni, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(fp16, "_build", lambda: built.append(1) or object())
+    try:
+        assert not fp16.available() and fp16.unavailable_reason() == reason and built == []
+        with pytest.raises(RuntimeError, match="does not run here"):
+            fp16.linear(torch.zeros(1, 16), torch.zeros(1, 16, 16, dtype=torch.float16), None, 16)
+    finally:
+        fp16._load_once.cache_clear()
+
+
 @pytest.mark.parametrize("flags, build", [
     ({"fma", "avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx512-vnni"),
     ({"fma", "avx2", "avx512f", "avx512bw", "avx512vl"}, "avx2"),  # AVX-512 without VNNI: the AVX2 build

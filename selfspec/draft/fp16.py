@@ -17,9 +17,6 @@ decode settings, ``kernels`` in the machine fingerprint), so runs and cost model
 from __future__ import annotations
 
 import functools
-import os
-import platform
-import sys
 import threading
 from pathlib import Path
 
@@ -32,7 +29,6 @@ FLAGS = ("fma", "avx2", "f16c")
 REVISION = 1  # a change that moves its speed is a new revision: cost models timed on another re-measure
 PANEL = 16  # outputs per panel
 ENV = "SELFSPEC_FP16_KERNEL"  # fbgemm: never use this kernel
-_LOCK = threading.Lock()
 
 
 def available() -> bool:
@@ -51,32 +47,25 @@ def label() -> str:
 
 def build_in_background() -> threading.Thread:
     """Start building (or loading) the kernel in a thread; join it before timing anything."""
-    thread = threading.Thread(target=_load, name="fp16-kernel-build", daemon=True)
-    thread.start()
-    return thread
+    return _KERNEL.build_in_background("fp16-kernel-build")
 
 
 def _load():
-    with _LOCK:
-        return _load_once()
+    return _KERNEL.load()
 
 
 @functools.cache
 def _load_once():
-    if os.environ.get(ENV, "").lower() == "fbgemm":
-        return None, f"{ENV}=fbgemm"
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"not an x86-64 CPU ({platform.machine()})"
-    missing = [f for f in FLAGS if f not in vnni.cpu_flags()]
-    if missing:
-        return None, f"the CPU lacks {', '.join(missing)}"
-    try:
-        vnni.compile_extension(SOURCE, "fp16_panels", ["-O3", "-fopenmp", "-mfma", "-mavx2", "-mf16c"])
-    except Exception as e:  # noqa: BLE001 - a compiler, ninja or header problem: fall back, say why
-        reason = f"its build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
-        print(f"selfspec: packed fp16 products run on fbgemm's kernel: ours' {reason}", file=sys.stderr)
-        return None, reason
-    return torch.ops.selfspec_fp16, None
+    return vnni.load_kernel(ENV, "fbgemm", {"panels": FLAGS}, lambda _: _build(),
+                            "packed fp16 products run on fbgemm's kernel: ours'")
+
+
+def _build():
+    vnni.compile_extension(SOURCE, "fp16_panels", ["-O3", "-fopenmp", "-mfma", "-mavx2", "-mf16c"])
+    return torch.ops.selfspec_fp16
+
+
+_KERNEL = vnni.LazyKernel(lambda: _load_once())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

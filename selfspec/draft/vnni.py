@@ -32,6 +32,7 @@ import platform
 import sys
 import sysconfig
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -84,42 +85,67 @@ def fits(in_features: int, group_size: int) -> bool:
     return group_size in GROUPS and in_features % BLOCK == 0 and in_features % group_size == 0
 
 
-_LOCK = threading.Lock()  # one build at a time: a caller that comes during a background build waits for it
+class LazyKernel:
+    """A kernel loaded once per process: one build at a time, a caller that comes during a background build waits
+    for its result."""
+
+    def __init__(self, load_once: Callable[[], tuple]) -> None:
+        self._load_once = load_once
+        self._lock = threading.Lock()
+
+    def load(self):
+        with self._lock:
+            return self._load_once()
+
+    def build_in_background(self, name: str) -> threading.Thread:
+        thread = threading.Thread(target=self.load, name=name, daemon=True)
+        thread.start()
+        return thread
+
+
+def load_kernel(env: str, off: str, builds: dict[str, tuple[str, ...]], build: Callable[[str], object],
+                fallback: str) -> tuple:
+    """``(module, None, build name)`` or ``(None, why not, None)`` for a kernel compiled on first use: off where the
+    environment variable ``env`` says ``off``, off an x86-64 CPU, or on one without the CPU flags of any of ``builds``
+    (name -> flags, best first; the last is the least the kernel needs); else ``build(name)`` of the best it runs. A
+    failed build falls back and says so on stderr, after ``fallback``."""
+    if os.environ.get(env, "").lower() == off:
+        return None, f"{env}={off}", None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"not an x86-64 CPU ({platform.machine()})", None
+    flags = cpu_flags()
+    name = next((name for name, needs in builds.items() if all(f in flags for f in needs)), None)
+    if name is None:
+        missing = [f for f in list(builds.values())[-1] if f not in flags]
+        return None, f"the CPU lacks {', '.join(missing)}", None
+    try:
+        module = build(name)
+    except Exception as e:  # noqa: BLE001 - a compiler, ninja or header problem: fall back, say why
+        reason = f"its build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
+        print(f"selfspec: {fallback} {reason}", file=sys.stderr)
+        return None, reason, None
+    return module, None, name
 
 
 def _load():
     """(the kernel's operator namespace ``torch.ops.selfspec_vnni``, None, the build's name) or (None, why not, None);
     once per process."""
-    with _LOCK:
-        return _load_once()
+    return _KERNEL.load()
 
 
 def build_in_background() -> threading.Thread:
     """Start building (or loading) the kernel in a thread and return it: the compiler runs while the caller fetches
     and loads a model. Join it before timing anything, so that no compile runs beside a measurement."""
-    thread = threading.Thread(target=_load, name="int4-kernel-build", daemon=True)
-    thread.start()
-    return thread
+    return _KERNEL.build_in_background("int4-kernel-build")
 
 
 @functools.cache
 def _load_once():
-    if os.environ.get(ENV, "").lower() == "aten":
-        return None, f"{ENV}=aten", None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"not an x86-64 CPU ({platform.machine()})", None
-    flags = cpu_flags()
-    name = next((name for name, (needs, _) in BUILDS.items() if all(f in flags for f in needs)), None)
-    if name is None:
-        missing = [f for f in BUILDS["avx2"][0] if f not in flags]
-        return None, f"the CPU lacks {', '.join(missing)}", None
-    try:
-        module = _build(name)
-    except Exception as e:  # noqa: BLE001 - a compiler, ninja or header problem: fall back, say why
-        reason = f"its build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
-        print(f"selfspec: int4 drafts run torch's int4 kernel: the VNNI kernel's {reason}", file=sys.stderr)
-        return None, reason, None
-    return module, None, name
+    return load_kernel(ENV, "aten", {name: needs for name, (needs, _) in BUILDS.items()}, lambda name: _build(name),
+                       "int4 drafts run torch's int4 kernel: the VNNI kernel's")
+
+
+_KERNEL = LazyKernel(lambda: _load_once())
 
 
 def _build(name: str):
