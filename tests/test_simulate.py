@@ -22,7 +22,7 @@ SPECS = {
     "copy_tree": DraftSpec(SkipPlan(N_LAYERS, attn=(2,)), DraftOptions(ngram=1, copy_tokens=6, copy_candidates=3,
                                                                        tree_nodes=10), k=2),
     "copy_tree_small_budget": DraftSpec(SkipPlan(N_LAYERS, attn=(2,)), DraftOptions(ngram=1, copy_tokens=6,
-                                                                                    copy_candidates=3, tree_nodes=2), k=2),
+                                                                                    copy_candidates=3, tree_nodes=5), k=2),
     "branch_tree": DraftSpec(SkipPlan(N_LAYERS, attn=(1,), mlp=(2,)), DraftOptions(branch_below=0.6, tree_nodes=5),
                              k=4),
     "fallback_tree": DraftSpec(SkipPlan(N_LAYERS, attn=(1,)), DraftOptions(ngram=3, copy_fallback=1, copy_tokens=3,
