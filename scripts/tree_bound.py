@@ -90,7 +90,8 @@ def main() -> None:
     prompts = saved["key"]["prompts"]
     groups = group_of(len(prompts), args.groups)
     drafts = variants(spec, args.branch, args.nodes, args.k)
-    oracles = {ORACLE: drafts["chain"]} | {f"oracle {n[6:]}": d for n, d in drafts.items() if n.startswith("chain k=")}
+    oracles = {ORACLE: drafts["chain"]} | {n.replace("chain", ORACLE, 1): d for n, d in drafts.items()
+                                           if n.startswith("chain k=")}
     cfg = DecodeConfig(max_new_tokens=args.tokens)
     conts = []
     for i, p in enumerate(prompts, 1):

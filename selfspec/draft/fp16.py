@@ -33,11 +33,11 @@ ENV = "SELFSPEC_FP16_KERNEL"  # fbgemm: never use this kernel
 
 def available() -> bool:
     """Whether the packed fp16 products run on this kernel here (builds it on first call)."""
-    return _load()[0] is not None
+    return _KERNEL.load()[0] is not None
 
 
 def unavailable_reason() -> str | None:
-    return _load()[1]
+    return _KERNEL.load()[1]
 
 
 def label() -> str:
@@ -48,10 +48,6 @@ def label() -> str:
 def build_in_background() -> threading.Thread:
     """Start building (or loading) the kernel in a thread; join it before timing anything."""
     return _KERNEL.build_in_background("fp16-kernel-build")
-
-
-def _load():
-    return _KERNEL.load()
 
 
 @functools.cache
@@ -65,7 +61,7 @@ def _build():
     return torch.ops.selfspec_fp16
 
 
-_KERNEL = vnni.LazyKernel(lambda: _load_once())
+_KERNEL = vnni.LazyKernel(_load_once)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -85,7 +81,7 @@ def unpack(panels: torch.Tensor, n: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """``x @ w.T + bias`` for ``x [..., K]`` (bf16 or fp32), in x's dtype; ``bias`` fp32 or None."""
-    module = _load()[0]
+    module = _KERNEL.load()[0]
     if module is None:
         raise RuntimeError(f"the fp16 panel kernel does not run here: {unavailable_reason()}")
     lead = x.shape[:-1]

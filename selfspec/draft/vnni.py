@@ -67,17 +67,17 @@ def cpu_flags() -> set[str]:
 
 def isa() -> str | None:
     """Which build of the kernel runs here (a key of :data:`BUILDS`), None where none does."""
-    return _load()[2]
+    return _KERNEL.load()[2]
 
 
 def unavailable_reason() -> str | None:
     """Why this kernel does not run here (None where it does). Builds it on first call."""
-    return _load()[1]
+    return _KERNEL.load()[1]
 
 
 def available() -> bool:
     """Whether int4 drafts run on this kernel here."""
-    return _load()[0] is not None
+    return _KERNEL.load()[0] is not None
 
 
 def fits(in_features: int, group_size: int) -> bool:
@@ -127,12 +127,6 @@ def load_kernel(env: str, off: str, builds: dict[str, tuple[str, ...]], build: C
     return module, None, name
 
 
-def _load():
-    """(the kernel's operator namespace ``torch.ops.selfspec_vnni``, None, the build's name) or (None, why not, None);
-    once per process."""
-    return _KERNEL.load()
-
-
 def build_in_background() -> threading.Thread:
     """Start building (or loading) the kernel in a thread and return it: the compiler runs while the caller fetches
     and loads a model. Join it before timing anything, so that no compile runs beside a measurement."""
@@ -141,11 +135,13 @@ def build_in_background() -> threading.Thread:
 
 @functools.cache
 def _load_once():
+    """(the kernel's operator namespace ``torch.ops.selfspec_vnni``, None, the build's name) or (None, why not, None);
+    once per process (through :data:`_KERNEL`)."""
     return load_kernel(ENV, "aten", {name: needs for name, (needs, _) in BUILDS.items()}, lambda name: _build(name),
                        "int4 drafts run torch's int4 kernel: the VNNI kernel's")
 
 
-_KERNEL = LazyKernel(lambda: _load_once())
+_KERNEL = LazyKernel(_load_once)
 
 
 def _build(name: str):
@@ -194,7 +190,7 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def mm(x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """``x2 @ w.T`` for bf16 ``x2`` [M, K] and the int4 weight :func:`pack` laid out; bf16 [M, N]."""
-    module, reason, _ = _load()
+    module, reason, _ = _KERNEL.load()
     if module is None:
         raise SelfSpecError(f"the VNNI int4 kernel does not run here: {reason}")
     return module.int4_mm(x2.contiguous(), packed, scale_zero, group_size)
