@@ -1,7 +1,7 @@
 """How far can a draft tree go past a chain with the same draft? Simulated tokens per round, the oracle bound, prices.
 
     python scripts/tree_bound.py results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v8.db \
-        --draft results/plans/qwen2.5-coder-1.5b-tasks-avx2-v8.json [--tokens 128] \
+        --draft results/plans/qwen2.5-coder-1.5b-default.json [--tokens 128] \
         [--groups humaneval gsm8k mtbench summarization] [--branch 0.3 0.6 0.99] [--nodes 8 12] \
         [--k 3 4 6 8 10] [--dtype bfloat16] [--out results/tree_bound.jsonl]
 
