@@ -1,6 +1,6 @@
 """Write the paper-style ablation's drafts from a searched draft file, one file per row.
 
-    python scripts/ablation_drafts.py results/plans/qwen2.5-coder-1.5b-tasks.json --out results/plans/ablation
+    python scripts/ablation_drafts.py <draft.json> --out <folder>
 
 Rows (``selfspec.search.pipeline.cumulative_variants``): the skip plan alone, + low-precision
 weights, + cut head, + copy drafting, the searched draft (with its adaptive exit, if any), the searched draft
@@ -8,11 +8,11 @@ with no sublayer skipped; a lever the searched draft does not use adds no row. T
 ``python experiments/evaluate.py +experiment=ablation`` decodes the eval rows with each.
 
 A searched draft that skips nothing has no skip plan of its own to ablate: pass ``--papers`` with the draft of
-a pure layer-skip search (``search.space.weights=[model] search.space.ngram=[0] ...``, README). It becomes the
+a pure layer-skip search (``search=skiponly``). It becomes the
 skip-only row, and ``searched_papers_skip`` runs the searched draft's options on its skip plan:
 
-    python scripts/ablation_drafts.py results/plans/qwen2.5-coder-1.5b-tasks-avx512-v10.json \
-        --papers results/plans/qwen2.5-coder-1.5b-tasks-avx512-skiponly.json --out results/plans/ablation-v10
+    python scripts/ablation_drafts.py results/plans/qwen2.5-coder-1.5b-tasks-avx2-v6.json \
+        --papers results/plans/qwen2.5-coder-1.5b-skiponly.json --out results/plans/ablation
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Our autoregressive loop against transformers' ``generate``, step by step (issue 5, goal 3).
+"""Our autoregressive loop against transformers' ``generate``, step by step.
 
     python scripts/ar_vs_hf.py --model qwen2.5-coder-1.5b --reps 3 --max-new-tokens 64
 
@@ -22,7 +22,7 @@ from selfspec.engine.decoding import DecodeConfig
 from selfspec.engine.stats import DecodeStats
 from selfspec.eval.harness import interleaved
 from selfspec.eval.methods import build_method
-from selfspec.provenance import git_commit
+from selfspec.provenance import append_row, git_commit
 
 METHODS = ("autoregressive", "hf_generate", "hf_generate_stock")  # generate on our packed kernels, and on stock ones
 
@@ -60,8 +60,7 @@ def main() -> None:
         for name in METHODS:
             res[name]["top_ops"] = top_ops(lambda name=name: methods[name].generate(prompts[0], 32))
     print(json.dumps(res, indent=1), flush=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(res) + "\n")
+    append_row(args.out, res, echo=False)
 
 
 if __name__ == "__main__":

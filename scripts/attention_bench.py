@@ -13,7 +13,6 @@ round-robin (a warm-up repetition first), medians. Prints and appends one JSON l
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
@@ -27,7 +26,7 @@ from selfspec.engine.attention import attention_forward, decode_attention
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
-from selfspec.provenance import git_commit, machine_fingerprint
+from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
 
 def round_robin(model, fns: dict, reps: int, clock: Clock) -> dict[str, float]:
@@ -98,8 +97,7 @@ def main() -> None:
     res = {"model": args.model, "kernels": kernels_label(True), "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
            "reps": args.reps, "attention_alone_ms": alone, "step_ms": steps,
            "machine": machine_fingerprint(), "git_commit": git_commit()}
-    with open(args.out, "a") as f:
-        f.write(json.dumps(res) + "\n")
+    append_row(args.out, res, echo=False)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,13 @@ On the tests' seeded tiny Llama, Qwen2 and Gemma3 models (built in-process, noth
 - greedy self-speculative output against greedy AR in fp32, over three skip plans, k = 1, 3, 5 and five draft
   settings (the plan alone, copy drafting, a copy tree, a model-branching tree, the adaptive exit);
 - the same in bf16 with the exact mode off (a match rate: kernels over other row counts may round apart) and on
-  (``rows = k+1``: issue 14 promises every output equal);
+  (``rows = k+1``: every output equal);
 - sampling (T 0.6, top-p 0.95): the same seed gives the same tokens, and tokens are in the vocabulary;
 - int4 draft weights (CPU kernels) are refused with a clear error;
 - the clock (CUDA events on a GPU) against a synchronized wall clock over an AR run.
 
 With ``--shape``, a model of that checkpoint's shape with random bf16 weights (its config only: no weights are
-read): what a full-depth forward over m tokens costs against one token (issue 16's premise, on this device), and
+read): what a full-depth forward over m tokens costs against one token (what draft trees rest on, on this device), and
 our AR loop's tokens/s against transformers' ``generate`` on the same model, prompt and token count.
 
 Prints a summary and appends one JSON line to ``--out``. ``--quick`` checks fewer settings (for the tests, on CPU).
@@ -22,7 +22,6 @@ Prints a summary and appends one JSON line to ``--out``. ``--quick`` checks fewe
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -37,7 +36,7 @@ from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
 from selfspec.errors import SelfSpecError
-from selfspec.provenance import cpu_name, git_commit
+from selfspec.provenance import append_row, cpu_name, git_commit
 
 PROMPT = list(range(3, 20))  # the tests' prompt
 LAYERS = 4
@@ -227,8 +226,7 @@ def main() -> None:
               ", ".join(f"{m}: {r:.2f}" for m, r in w["ratio_to_one"].items()) + f" (one token {w['ms'][1]:.2f} ms)")
         print(f"our AR {g['tok_s']['ours']:.1f} tok/s, generate {g['tok_s']['generate']:.1f} tok/s: "
               f"{g['ours_over_generate']:.2f}x")
-    with open(args.out, "a") as f:
-        f.write(json.dumps(res) + "\n")
+    append_row(args.out, res, echo=False)
 
 
 if __name__ == "__main__":

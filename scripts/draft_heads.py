@@ -17,7 +17,6 @@ to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from contextlib import nullcontext
 
@@ -32,7 +31,7 @@ from selfspec.draft.plan import SkipPlan
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import DecodeConfig, autoregressive, forward_at
 from selfspec.engine.stats import Clock
-from selfspec.provenance import git_commit, machine_fingerprint
+from selfspec.provenance import append_row, git_commit, machine_fingerprint
 from selfspec.search.costs import time_heads
 
 
@@ -104,8 +103,7 @@ def main() -> None:
               + (f"  argmax agrees {agree[name]:.3f}, head alone {row['head_alone_ms'][name]:.2f} ms"
                  if name in agree else ""))
     print(f"quantizing {rows.shape[0]} head rows to int4 once: {t_quant:.3f} s")
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_row(args.out, row, echo=False)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,12 @@ Two measurements, appended as one JSON line to --out:
   (``--tokens``), then one teacher-forced forward with every decoder linear through each kernel;
   the share of positions whose argmax equals the full model's (the LM head stays bf16).
 
-The dynamic kernel is not a draft option: this script is why (see results/PERF.md).
+The dynamic kernel is not a draft option: this script is why (see docs/log.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import warnings
 
@@ -37,7 +36,7 @@ from selfspec.draft.lowbit import LowPrecisionLinear, quantize, quantized_mm
 from selfspec.draft.packed import LinearWrapper, PackedLinear
 from selfspec.draft.wrap import wrap_descendants
 from selfspec.engine.decoding import DecodeConfig, autoregressive
-from selfspec.provenance import git_commit, machine_fingerprint
+from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
 # name -> (format, group size, kernel); int8 has one scale per row, so its group size goes unused
 LOW = {"int8": ("int8", 32, "int8"), "int4-g32": ("int4", 32, "int4"), "int4-g128": ("int4", 128, "int4"),
@@ -160,8 +159,7 @@ def main() -> None:
            **({} if agree is None else {"tokens": args.tokens}),
            "g_weights_per_s": rates, "argmax_agreement": agree, "torch": torch.__version__,
            "machine": machine_fingerprint(), "commit": git_commit()}
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_row(args.out, row, echo=False)
 
 
 if __name__ == "__main__":

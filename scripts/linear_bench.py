@@ -13,14 +13,13 @@ and whether the outputs are bit-identical; for scale, also the rate at which a p
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 
 from selfspec.draft.packed import PackedLinear
-from selfspec.provenance import git_commit
+from selfspec.provenance import append_row, git_commit
 
 
 def main() -> None:
@@ -68,8 +67,7 @@ def main() -> None:
             res["rows"][m] = row
             print(f"{m:4d} rows: stock {row['stock_gb_s']} GB/s, packed {row['packed_gb_s']} GB/s "
                   f"({row['packed_over_stock']}x), bit-identical: {identical}", flush=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(res) + "\n")
+    append_row(args.out, res, echo=False)
 
 
 def _packed(lin: PackedLinear, x: torch.Tensor) -> torch.Tensor:

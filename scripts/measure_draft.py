@@ -25,7 +25,7 @@ from selfspec.cli.config import calibration_prompts
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.spec import DraftSpec
 from selfspec.eval.harness import interleaved, recording
-from selfspec.provenance import git_commit
+from selfspec.provenance import append_row, git_commit
 from selfspec.search.retime import plan_runner
 
 
@@ -91,8 +91,7 @@ def main() -> None:
             "extra_mb": round(path.extra_bytes / 2**20), "build_s": round(build_s, 1), "git_commit": git_commit(),
         }
         print(json.dumps(res), flush=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(res) + "\n")
+        append_row(args.out, res, echo=False)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from selfspec.provenance import append_row
+
 MODES = {"loaded": {"packed_weights": False}, "copies": {}, "only": {"packed_only": True}}
 DRAFT = {"weights": "int4", "group_size": 32, "head_tokens": 16384, "ngram": 3}
 
@@ -80,8 +82,7 @@ def main() -> None:
                              capture_output=True, text=True, check=True).stdout
         row = json.loads(out.strip().splitlines()[-1])
         print(json.dumps(row), flush=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(args.out, row, echo=False)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ repetitions, with the min..max), and how many outputs equal the ``rows=1`` outpu
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 
 from selfspec.assets.models import load_model
@@ -21,7 +20,7 @@ from selfspec.cli.config import calibration_prompts
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig
 from selfspec.eval.harness import interleaved, recording
-from selfspec.provenance import git_commit, machine_fingerprint
+from selfspec.provenance import append_row, git_commit, machine_fingerprint
 from selfspec.search.retime import plan_runner, spec_runner
 
 TASKS = ["humaneval", "gsm8k", "mtbench", "summarization"]
@@ -68,8 +67,7 @@ def main() -> None:
         print(f"{name:<14} {res['settings'][name]}", flush=True)
     res["machine"] = machine_fingerprint()
     res["git_commit"] = git_commit()
-    with open(args.out, "a") as f:
-        f.write(json.dumps(res) + "\n")
+    append_row(args.out, res, echo=False)
 
 
 if __name__ == "__main__":

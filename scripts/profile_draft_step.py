@@ -16,7 +16,6 @@ kept sublayer, its products included, and with the fused draft step its norm and
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
@@ -30,7 +29,7 @@ from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
-from selfspec.provenance import git_commit, machine_fingerprint
+from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
 PRODUCTS = ("selfspec_vnni::int4_mm", "_weight_int4pack_mm_for_cpu")
 # whole sublayers, products included (the _block forms, a fused draft step's, also hold the norm and residual add)
@@ -87,8 +86,7 @@ def main() -> None:
            "fused_sublayers": len(draft.fused), "fused_sublayers_ms": round(sublayers, 2),
            "top_operators_ms": {k: round(v, 3) for k, v in top.items()},
            "machine": machine_fingerprint(), "git_commit": git_commit()}
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_row(args.out, row, echo=False)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Does the draft's quantization line up with the packaged checkpoint's 4-bit grid? Acceptance and error per format.
 
-    python scripts/quant_alignment.py results/plans/qwen2.5-coder-1.5b-tasks.json \
-        results/optuna/qwen2.5-coder-1.5b-tasks.db
+    python scripts/quant_alignment.py results/plans/qwen2.5-coder-1.5b-default.json \
+        results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v8.db
 
 The packaged checkpoints are 4-bit GGUF files (Q4_K_M: blocks of 32) dequantized to bf16, so an
 int4 draft whose groups are 32 wide rebuilds weights that already lie on a 4-bit grid; groups of
@@ -15,7 +15,6 @@ layers. Appends one JSON line to --out.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ from selfspec.draft.arch import arch_of
 from selfspec.draft.lowbit import LowPrecisionLinear
 from selfspec.draft.path import DraftOptions
 from selfspec.draft.spec import DraftSpec
-from selfspec.provenance import git_commit, machine_fingerprint
+from selfspec.provenance import append_row, git_commit, machine_fingerprint
 from selfspec.search.pipeline import study_calibration
 from selfspec.search.simulate import RoundSimulator
 
@@ -77,8 +76,7 @@ def main() -> None:
                                 "tokens_per_round_without_copy": round(no_copy.tokens_per_round, 3),
                                 "relative_output_error": round(err, 4)}
         print(name, row["formats"][name], flush=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_row(args.out, row, echo=False)
 
 
 if __name__ == "__main__":

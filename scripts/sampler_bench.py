@@ -22,7 +22,7 @@ import torch
 from selfspec.assets.models import load_model
 from selfspec.cli.config import calibration_prompts
 from selfspec.engine.sampling import SamplingParams, probs_from_logits, sample
-from selfspec.provenance import git_commit, machine_fingerprint
+from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
 
 def reference(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -84,8 +84,7 @@ def main() -> None:
            "git_commit": git_commit(),
            "machine": machine_fingerprint()}
     print(json.dumps(rec))
-    with open(args.out, "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    append_row(args.out, rec, echo=False)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ difference is possible; it is counted, not hidden). Appends one JSON line to ``-
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -27,7 +26,7 @@ import torch
 
 from selfspec.assets.models import load_model
 from selfspec.eval.harness import rotated
-from selfspec.provenance import git_commit, machine_fingerprint
+from selfspec.provenance import append_row, git_commit, machine_fingerprint
 from selfspec.search.pipeline import study_calibration
 from selfspec.search.simulate import RoundCounts, RoundSimulator
 from selfspec.search.space import SearchSpace
@@ -95,8 +94,7 @@ def main() -> None:
             "drafts_whose_counts_differ_from_first": differ[setting],
         }
         print(f"{label[setting]}: {row['batches'][label[setting]]}", flush=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_row(args.out, row, echo=False)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
 from selfspec.engine.tree import DraftTree, tree_attention_mask
-from selfspec.provenance import git_commit, machine_fingerprint
+from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
 
 def main() -> None:
@@ -76,8 +76,7 @@ def main() -> None:
            "over_narrowest": {k: round(v / one, 3) for k, v in med.items()},
            "machine": machine_fingerprint(), "git_commit": git_commit()}
     print(json.dumps(res), flush=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(res) + "\n")
+    append_row(args.out, res, echo=False)
 
 
 if __name__ == "__main__":

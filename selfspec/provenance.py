@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import platform
 import subprocess
@@ -84,3 +86,39 @@ def provenance(extra: dict | None = None) -> dict:
     }
     info.update(extra or {})
     return info
+
+
+def strict_json(value):
+    """``value`` with every non-finite float (NaN, ±inf) made ``None``, so any strict JSON reader accepts it."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def append_row(path: str | Path, row: dict, *, echo: bool = True) -> dict:
+    """Append one measurement as one JSON line to ``path``, with where it came from; returns the row written.
+
+    The row gets ``git_commit``, ``machine`` and ``time`` unless it has them. The line is written by one
+    ``write`` on a file opened for appending, then flushed to disk: a crash leaves the earlier lines whole, and
+    two writers never interleave inside a line. Non-finite floats are written as ``null``.
+    """
+    full = {**row}
+    full.setdefault("git_commit", git_commit())
+    full.setdefault("machine", machine_fingerprint())
+    full.setdefault("time", datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    line = json.dumps(strict_json(full), allow_nan=False) + "\n"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if echo:
+        print(line, end="", flush=True)
+    return full

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models built in-process, cached per session."""
+"""Shared fixtures: tiny random models built in-process, built once per test run."""
 
 import functools
 import os
@@ -10,7 +10,7 @@ from selfspec.assets.tiny import TINY_ARCHS, tiny_model
 
 # pytest-xdist workers share the cores: each worker, and every process a test starts (through OMP_NUM_THREADS), takes
 # its share of them: OpenMP threads that wait on a descheduled sibling slow a tiny model's many small ops (a tiny-model
-# search beside one busy core ran 1.86x slower with torch's default two threads, 1.17x with one; results/PERF.md).
+# search beside one busy core ran 1.86x slower with torch's default two threads, 1.17x with one; docs/log.md).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)

@@ -21,9 +21,9 @@ from selfspec.cli.tables import main as tables_main
 from selfspec.eval.records import decode_record
 from selfspec.eval.tables import (
     load_runs,
-    method_comparison,
+    methods_overview,
     to_markdown,
-    write_method_comparison,
+    write_methods_overview,
     write_tables,
 )
 
@@ -146,7 +146,9 @@ def test_sweep_writes_jsonl_wandb_and_a_table(tmp_path, tiny_plan):
                         "--studies", str(tmp_path / "none")]) == 0
     md = (tables / "smoke.md").read_text()
     assert md.count("| tiny-llama | tiny |") == 4
-    assert (tables / "smoke.tex").read_text().startswith("\\begin{tabular}")
+    assert "- command: `python experiments/evaluate.py +experiment=smoke logger=none`" in md  # its provenance
+    tex = (tables / "smoke.tex").read_text()
+    assert tex.startswith("% # smoke\n") and "\\begin{tabular}" in tex
     assert (figures / "acceptance_by_position.png").stat().st_size > 0
 
 
@@ -241,7 +243,7 @@ def test_tables_mark_a_failed_partial_run(tmp_path, tiny_plan):
     (run / "FAILED").write_text("killed by a test\n")
     rows = write_tables(load_runs(runs), tmp_path / "tables")["x"]
     assert {r["variant"] for r in rows} == {"default (failed, partial)"}
-    assert method_comparison({"x": rows}, ["x"]) == []
+    assert methods_overview({"x": rows}) == []
 
 
 def test_runs_recorded_before_packed_weights_resume_with_them_off(monkeypatch):
@@ -316,17 +318,14 @@ def test_table_builder_numbers(tmp_path, row_format):
     assert "| m | d | default | self_speculative | stock | 2 | 1 | 2 | 3 | 0.67 | 2.71 | 13.33 | 2.00x ±0.00 | 0.50 |" in \
         (tmp_path / "tables" / "exp.md").read_text()
     assert not math.isnan(sp["ttft_s"])
-    (cmp_row,) = method_comparison(by_exp, ["exp"])
-    assert cmp_row["self_speculative"] == pytest.approx(2.0) and cmp_row["self_speculative_match"] == 0.5
-    write_method_comparison([cmp_row], ["autoregressive", "self_speculative"], tmp_path / "tables" / "methods")
+    assert (tmp_path / "tables" / "exp.md").read_text().startswith("# exp\n")  # the provenance list first
+    ar_row, sp_row = methods_overview(by_exp)
+    assert (sp_row["run"], sp_row["method"], sp_row["sets"]) == ("exp", "self_speculative", {"d": pytest.approx(2.0)})
+    assert sp_row["mean"] == pytest.approx(2.0) and ar_row["mean"] == 1.0
+    write_methods_overview([ar_row, sp_row], tmp_path / "tables" / "methods")
     methods_md = (tmp_path / "tables" / "methods.md").read_text()
-    assert "| m | d | 1.00x | 2.00x ±0.00 | 0.67 | 0.50 |" in methods_md
-    assert "- from run `exp` (over the autoregressive loop of that run): autoregressive, self_speculative" in methods_md
-    # a later experiment's number replaces an earlier one's, and the note says where each came from
-    later = [dict(r, speedup=3.0) for r in by_exp["exp"] if r["method"] == "self_speculative"]
-    (merged,) = method_comparison({"exp": by_exp["exp"], "later": later}, ["exp", "later"])
-    assert merged["self_speculative"] == 3.0
-    assert merged["sources"] == {"autoregressive": "exp", "self_speculative": "later"}
+    assert "| exp | m | self_speculative | 2.00x | 2.00x |" in methods_md
+    assert (tmp_path / "tables" / "methods.csv").read_text().splitlines()[0] == "run,model,method,d,mean"
 
 
 def test_tables_show_each_pass_and_the_drift_of_a_run_of_several_passes(tmp_path):

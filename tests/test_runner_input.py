@@ -1,4 +1,4 @@
-"""The evaluation runner and the search settings on bad input and after a crash (issue 15, first part)."""
+"""The evaluation runner and the search settings on bad input and after a crash."""
 
 import json
 

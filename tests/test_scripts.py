@@ -1,5 +1,5 @@
-"""The measurement scripts run from the repository root on a tiny model and append one JSON line; the copy
-replay prices rounds as worked out by hand."""
+"""The measurement scripts and the inspect subcommands run from the repository root on a tiny model and append
+one JSON line."""
 
 import json
 import subprocess
@@ -13,6 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _script(name: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def _inspect(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "selfspec.inspect", name, *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
 
 
@@ -71,7 +76,7 @@ def test_sim_batch_bench_appends_one_row(tmp_path, tiny_study):
 
 def test_round_costs_sets_measured_parts_beside_the_cost_models(tmp_path, tiny_study):
     out = tmp_path / "costs.jsonl"
-    p = _script("round_costs.py", str(tiny_study), "--name", "tiny-llama-default", "--top", "2", "--prompts", "2",
+    p = _inspect("round-costs", str(tiny_study), "--name", "tiny-llama-default", "--top", "2", "--prompts", "2",
                 "--tokens", "12", "--reps", "2", "--dtype", "float32", "--remeasure", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
@@ -95,7 +100,7 @@ def test_round_costs_sets_measured_parts_beside_the_cost_models(tmp_path, tiny_s
 
 def test_overhead_spread_measures_the_loop_overheads_again_and_again(tmp_path, tiny_study):
     out = tmp_path / "spread.jsonl"
-    p = _script("overhead_spread.py", str(tiny_study), "--name", "tiny-llama-default", "--times", "2", "--reps", "1",
+    p = _inspect("overhead-spread", str(tiny_study), "--name", "tiny-llama-default", "--times", "2", "--reps", "1",
                 "--dtype", "float32", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
@@ -106,31 +111,10 @@ def test_overhead_spread_measures_the_loop_overheads_again_and_again(tmp_path, t
     assert "verify_ms: sd" in p.stdout
 
 
-def test_calibration_length_replays_the_study_at_its_own_length(tmp_path, tiny_study):
-    from selfspec.assets.models import load_model
-    from selfspec.draft.spec import DraftSpec
-    from selfspec.search.costs import CostModel
-    from selfspec.search.pipeline import study_calibration
-    from selfspec.search.simulate import RoundSimulator
-
-    out, plan = tmp_path / "lengths.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
-    p = _script("calibration_length.py", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan),
-                "--tokens", "12", "20", "--dtype", "float32", "--out", str(out))
-    assert p.returncode == 0, p.stderr[-2000:]
-    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["tokens"] for r in record["rows"]] == [12, 20] and record["machine"]
-    # at the study's own length (search=quick: 12 tokens) the script predicts what the study's continuations give
-    saved, draft = study_calibration(str(tiny_study), "tiny-llama-default"), DraftSpec.load(plan)
-    lm = load_model("tiny-llama", dtype="float32")
-    counts = RoundSimulator(lm.model, saved["key"]["prompts"], saved["continuations"], lm.eos_ids).simulate(draft)
-    expected = CostModel.from_dict(saved["costs"]).predicted_speedup(counts, draft)
-    assert record["rows"][0]["decode_speedup"] == pytest.approx(expected)
-    assert record["rows"][0]["emitted"] == counts.tokens <= record["rows"][1]["emitted"]
-
 
 def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, tiny_study):
     out, plan = tmp_path / "bound.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
-    p = _script("tree_bound.py", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens", "12",
+    p = _inspect("tree-bound", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens", "12",
                 "--groups", "--branch", "0.5", "--nodes", "6", "--k", "1", "7", "--dtype", "float32", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
@@ -158,32 +142,12 @@ def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path):
     rows = [row("a", "tree", 20, 1.0, 4, 12), row("b", "tree", 30, 3.0, 6, 18), row("a", "chain", 20, 2.0, 5, 10),
             row("b", "chain", 30, 3.0, 7, 16)]
     (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    p = _script("paired_ratio.py", str(tmp_path / "m"), "tree", "chain")
+    p = _inspect("paired-ratio", str(tmp_path / "m"), "tree", "chain")
     assert p.returncode == 0, p.stderr[-2000:]
     # 50 tokens in 4 s over 50 in 5 s; tokens a round 1 + 30/10 and 1 + 26/12
     assert "gsm8k" in p.stdout and "tree over chain: 1.250x (95% " in p.stdout and "tokens a round 4.00 / 3.17" in p.stdout
-    assert _script("paired_ratio.py", str(tmp_path / "m"), "tree", "ar").returncode != 0
+    assert _inspect("paired-ratio", str(tmp_path / "m"), "tree", "ar").returncode != 0
 
-
-def _copy_replay():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("copy_replay", ROOT / "scripts" / "copy_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_copy_replay_prices_rounds_by_hand():
-    replay = _copy_replay().replay
-    relative = {2: 1.1, 3: 1.2, 4: 1.3}
-    prompt, output = [1, 2, 3, 4, 5], [1, 2, 3, 4, 9, 9]
-    # latest 2-gram, 3 tokens: [5, 1] never occurred (plain step), then [1, 2] copies [3, 4, 5]: two accepted
-    # plus the verify's 9 for a 4-row verify (1.3), then [4, 9] never occurred (plain step): 5 tokens in 3.3
-    assert replay(prompt, output, ("latest", 2, 0, 3), relative) == pytest.approx(5 / 3.3)
-    # earliest, 2-gram down to 1: [5, 1] never occurred, the 1-gram [1] first did at 0: [2, 3, 4], all accepted
-    # plus 9 (1.3), then neither [4, 9] nor [9] occurred before (plain step): 5 tokens in 2.3
-    assert replay(prompt, output, ("earliest", 2, 1, 3), relative) == pytest.approx(5 / 2.3)
 
 
 def test_device_check_appends_one_row_on_the_cpu(tmp_path):

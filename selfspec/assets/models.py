@@ -157,7 +157,7 @@ def _convert(name: str, final: Path) -> Path:
     t0 = time.perf_counter()
     # the tokenizer converts in a second process while this one dequantizes the weights: each parse of the
     # GGUF's metadata (151k-token vocabularies) takes seconds of pure Python, and transformers parses it
-    # once for the config, once for the weights and once for the tokenizer (results/PERF.md)
+    # once for the config, once for the weights and once for the tokenizer (docs/log.md)
     tok_dir = gguf.parent / "tokenizer"
     tmp = final.parent / f".{name}.tmp"
     with _TokenizerJob(gguf.parent, gguf.name, tok_dir) as tokenizer:

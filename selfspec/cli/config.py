@@ -65,7 +65,7 @@ def check_new_keys(config_name: str, overrides: list[str]) -> None:
     """Refuse a ``+key=value`` override whose first part is no setting of ``conf/<config_name>.yaml``.
 
     Hydra adds such keys without a word, so ``+decodng.k=2`` would run with the default k.
-    A config group (``+experiment=main``) and a key added under a known setting
+    A config group (``+experiment=headline``) and a key added under a known setting
     (``+method_options.x.y=1``) are fine.
     """
     import difflib

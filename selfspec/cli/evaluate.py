@@ -2,7 +2,7 @@
 
     python experiments/evaluate.py model=qwen2.5-coder-1.5b dataset=gsm8k
     python experiments/evaluate.py -m dataset=humaneval,gsm8k,mtbench,summarization decoding.k=2,4,6
-    python experiments/evaluate.py +experiment=main
+    python experiments/evaluate.py +experiment=headline
 
 Results: ``<run folder>/samples.jsonl`` (header + one row per sample and method),
 ``<run folder>/summary.json`` and, with ``logger=wandb``, an offline W&B run in

@@ -50,7 +50,7 @@ def main(cfg: DictConfig) -> None:
         set_threads(cfg)
         settings = search_settings(cfg)
         # int4 drafts need the int4 kernel, compiled on a machine's first run (~45 s on a 2-core Zen 3): the
-        # compiler runs while the prompts and the model are fetched and loaded (results/PERF.md, 27th session)
+        # compiler runs while the prompts and the model are fetched and loaded (docs/log.md)
         int4 = "int4" in settings.space.weights + settings.space.head_weights and cfg.model.device == "cpu"
         build = vnni.build_in_background() if int4 else None
         # likewise our fp16 kernel, where the packed forwards run on fp16 copies (an AVX2 CPU; ~55 s on a Zen 3)

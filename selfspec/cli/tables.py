@@ -1,8 +1,9 @@
 """``python -m selfspec.tables``: paper-style tables and figures from every ``samples.jsonl`` under ``--runs``.
 
-Writes ``<experiment>.{md,tex,csv}`` per experiment name (the first folder under
-``--runs``), ``methods.{md,csv}`` when a ``main`` or ``baselines`` run exists, and
-the figures of :mod:`selfspec.eval.figures`. Nothing is typed by hand.
+Writes ``<experiment>.{md,tex,csv}`` per experiment name (the first folder under ``--runs``), each with the
+command that reproduces it, its commits, dates and CPUs; ``methods.{md,csv}``: every method of every run side by
+side; and the figures of :mod:`selfspec.eval.figures`. With ``--readme``, the README's headline block is
+rewritten from ``headline.md``. Nothing is typed by hand.
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ import sys
 from pathlib import Path
 
 from selfspec.eval.figures import write_figures
-from selfspec.eval.tables import (
-    COMPARED,
-    load_runs,
-    method_comparison,
-    write_method_comparison,
-    write_tables,
-)
+from selfspec.eval.headline import update_readme
+from selfspec.eval.tables import load_runs, methods_overview, write_methods_overview, write_tables
 
-HEADLINE_RUNS = ["baselines", "main_handpicked", "main", "fair", "tree", "main_peers"]
+CONF = Path(__file__).resolve().parent.parent.parent / "conf"
+
+
+def _command(name: str) -> str | None:
+    """The command that reproduces experiment ``name``, where a config of that name exists."""
+    for conf in (CONF, Path("conf")):
+        if (conf / "experiment" / f"{name}.yaml").is_file():
+            return f"python experiments/evaluate.py +experiment={name} logger=none"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,18 +34,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--figures", default="results/figures", help="where PNG figures go")
     ap.add_argument("--studies", default="results/optuna", help="Optuna SQLite studies for the search figures")
     ap.add_argument("--no-figures", action="store_true")
+    ap.add_argument("--readme", nargs="?", const="README.md", default=None,
+                    help="rewrite the headline block of this README (default README.md) from headline.md")
     args = ap.parse_args(argv)
     runs = load_runs(Path(args.runs))
     if not runs:
         print(f"error: no samples.jsonl with results under {args.runs}", file=sys.stderr)
         return 2
-    by_exp = write_tables(runs, Path(args.tables))
+    names = {r.experiment for r in runs}
+    by_exp = write_tables(runs, Path(args.tables), {n: c for n in names if (c := _command(n))})
     for name, rows in by_exp.items():
         print(f"{args.tables}/{name}.{{md,tex,csv}}: {len(rows)} rows")
-    if set(HEADLINE_RUNS) & set(by_exp):
-        comparison = method_comparison(by_exp, HEADLINE_RUNS)  # a later run's number replaces an earlier one's
-        write_method_comparison(comparison, COMPARED, Path(args.tables) / "methods")
-        print(f"{args.tables}/methods.{{md,csv}}: {len(comparison)} rows")
+    overview = methods_overview(by_exp)
+    write_methods_overview(overview, Path(args.tables) / "methods")
+    print(f"{args.tables}/methods.{{md,csv}}: {len(overview)} rows")
+    if args.readme:
+        if "headline" not in by_exp:
+            print(f"error: no headline run under {args.runs}: nothing to write into {args.readme}", file=sys.stderr)
+            return 2
+        update_readme(Path(args.readme), by_exp["headline"], (Path(args.tables) / "headline.md").read_text())
+        print(f"{args.readme}: headline block rewritten")
     if not args.no_figures:
         for p in write_figures(by_exp, Path(args.studies), Path(args.figures)):
             print(p)

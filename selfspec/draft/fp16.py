@@ -3,7 +3,7 @@
 On a CPU that cannot prepack bf16 weights for oneDNN (AVX2 only, e.g. a Zen 3 EPYC), our loop's packed forwards run on
 exact fp16 copies of the bf16 weights (:mod:`selfspec.draft.packed`). fbgemm's fp16 kernel computes 6 rows at a time
 and reads every weight again for each further 6, so on a 2-core Zen 3 a 1.5B forward over 8 rows cost 2.3x one over a
-single row, and over 6 rows 1.45x (``scripts/verify_width.py``, results/PERF.md). This kernel keeps the same fp16
+single row, and over 6 rows 1.45x (``scripts/verify_width.py``, docs/log.md). This kernel keeps the same fp16
 copies in panels of 16 outputs and reads each panel once for all rows of a call: a verify over 2-16 rows reads the
 weights about as fast as a plain step over one. The sums run in fp32 as fbgemm's do, in another order: the same
 numbers up to rounding.

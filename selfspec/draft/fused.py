@@ -2,7 +2,7 @@
 
 A 1.5B int4 draft step spends ~27 ms reading its weights and ~20 ms on everything else: hundreds of small operators
 (the rotary embedding, casts, the attention's products over the cache, bias and activation) and the Python around
-them (``scripts/profile_draft_step.py``, results/PERF.md). Here a kept attention sublayer of a Llama or Qwen2
+them (``scripts/profile_draft_step.py``, docs/log.md). Here a kept attention sublayer of a Llama or Qwen2
 layer runs as one call while drafting: q/k/v through their stacked int4 copy, the rotary embedding, the keys/values
 written into the :class:`~selfspec.engine.cache.PositionalKVCache` slots of the step, causal attention over the
 slots before them, o_proj; a kept MLP sublayer likewise (gate/up stacked, SiLU, down). The norms, residuals and
@@ -21,7 +21,7 @@ Each call is switched on by :meth:`selfspec.draft.path.DraftPath.drafting` throu
 
 Where every kept sublayer of a draft runs fused, the whole draft step can skip the modeling code around them too
 (:class:`FusedStep`): the decoder layers' norms, residual adds and Python cost a 1.5B int4 draft step ~10 ms of ~67
-(results/PERF.md, twenty-ninth session). :meth:`~selfspec.draft.path.DraftPath.drafting` puts it on the model
+(docs/log.md). :meth:`~selfspec.draft.path.DraftPath.drafting` puts it on the model
 instance (:func:`draft_step`) and :func:`selfspec.engine.decoding.forward_at` runs a causal draft forward on the
 positional cache through it; any other forward goes through the model as before.
 """

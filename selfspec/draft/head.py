@@ -13,7 +13,7 @@ are (:mod:`selfspec.draft.lowbit`); a request's own extra ids (its prompt's
 tokens outside the base) stay on bf16 rows gathered per request. Quantizing
 per request would cost more than it saves: on the 1.5B, 1.2 s for 32k int4
 rows, against 5.7 ms (bf16) and 1.7 ms (int4) for that head per draft step
-(``scripts/draft_heads.py``, ``results/PERF.md``).
+(``scripts/draft_heads.py``, ``docs/log.md``).
 Verification never uses any of this: outside ``active`` the wrapped head runs.
 """
 

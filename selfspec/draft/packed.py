@@ -6,7 +6,7 @@ Reordering each bf16 weight once into oneDNN's blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``) and calling
 ``torch.ops.mkldnn._linear_pointwise`` on it reads the same bytes faster: on
 this 2-core CPU one 1536x8960 product went from ~19 to ~26 GB/s of weights
-(results/PERF.md). In bf16 the result is bit-identical to ``nn.Linear``'s, so
+(docs/log.md). In bf16 the result is bit-identical to ``nn.Linear``'s, so
 decoding with packed weights emits the same tokens as without.
 
 :func:`weight_packer` wraps every ``nn.Linear`` of *one* model instance in
@@ -30,12 +30,12 @@ bf16. Our kernel computes them where it builds (:mod:`selfspec.draft.fp16`: the 
 panels of 16 outputs, read once for all rows of a forward, so a 6-row verify of the 1.5B
 costs 1.05 one-row forwards); else fbgemm's (``torch.ops.quantized.linear_prepack_fp16``),
 which reads the weights again for every 6 rows (1.26 at 6 rows, 1.80 at 8:
-:func:`fp16_kernel` says which, results/PERF.md). The copy is taken only where it holds the bf16 values exactly (a bf16 value
+:func:`fp16_kernel` says which, docs/log.md). The copy is taken only where it holds the bf16 values exactly (a bf16 value
 below 2**-17 in magnitude may not fit fp16's subnormals; Qwen2.5-Coder-1.5B has
 none); a weight that does not fit gets an fp32 copy for oneDNN's fp32 kernel
 instead. The results are the same numbers as the stock kernel's up to the order
 of the sums. On a 2-core Zen 3 one 1536x8960 product at one row went from 1.59 ms
-(stock bf16) to 0.66 ms, and at 6 rows from 9.6 to 1.5 ms (results/PERF.md). The
+(stock bf16) to 0.66 ms, and at 6 rows from 9.6 to 1.5 ms (docs/log.md). The
 copies take the bf16 weights' memory again. Without fbgemm (``fp32``) every weight
 gets the fp32 copy, used for inputs of :data:`FP32_MIN_ROWS` rows or more (fewer
 keep the stock bf16 kernel, faster there), at twice the bf16 weights' memory.
@@ -143,7 +143,7 @@ KERNELS = {"bf16": "packed", "fp16": "packed fp16", "fp32": "packed fp32", None:
 # fp32 copies serve inputs of this many rows or more; fewer go through the stock bf16 kernel (Qwen2.5-Coder-1.5B
 # forward on a 2-core Zen 3 EPYC, AVX2, scripts/verify_width.py: stock 1.75x / 3.25x / 4.79x of a one-row step at
 # 2 / 4 / 6 rows, fp32 copies 2.63x / 2.64x at 4 / 6; at 2 rows a scratch probe had the copies slower than stock,
-# 2.01x against 1.71x: results/PERF.md)
+# 2.01x against 1.71x: docs/log.md)
 FP32_MIN_ROWS = 3
 
 

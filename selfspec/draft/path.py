@@ -73,7 +73,7 @@ class DraftOptions:
     # draft trees (greedy decoding only; selfspec.engine.tree): several candidates in one verify forward
     copy_candidates: int = 1  # distinct continuations of earlier n-gram matches, latest first; 1 = a chain
     branch_below: float = 0.0  # model drafts add the 2nd-best token where the top probability is below this
-    tree_nodes: int = 12  # most drafted nodes a tree verifies at once; its first candidate goes in whole (PERF.md)
+    tree_nodes: int = 12  # most drafted nodes a tree verifies at once; its first candidate goes in whole (docs/log.md)
     # a round with no n-gram match also verifies, beside the model draft, the continuations (up to
     # copy_candidates) of earlier occurrences of the last m tokens, m < ngram (1 = prompt lookup's last resort)
     copy_fallback: int = 0

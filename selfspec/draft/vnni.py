@@ -11,8 +11,8 @@ agreement with the full model).
 
 On a CPU without AVX-512 VNNI but with AVX2 and FMA (a Zen 3, say) the same kernel is built for 256-bit vectors,
 with ``vpmaddubsw`` + ``vpmaddwd`` in place of ``vpdpbusd`` (the same integer sums): on a 2-core Zen 3 it reads 34-38
-G int4 weights/s at one row, 3.7-4.1x what fbgemm's fp16 copies of a plain step read (results/PERF.md, twentieth
-session). :func:`isa` says which build runs; the name ``int4-vnni`` stays the kernel's (its layout and its method).
+G int4 weights/s at one row, 3.7-4.1x what fbgemm's fp16 copies of a plain step read (docs/log.md).
+:func:`isa` says which build runs; the name ``int4-vnni`` stays the kernel's (its layout and its method).
 
 It is compiled on first use with torch's ``cpp_extension`` (g++ and ninja; ~20 s, once per machine and torch
 version; ~40 s for the AVX2 build on a Zen 3) into the selfspec cache (``$SELFSPEC_CACHE/kernels``). The search
@@ -46,7 +46,7 @@ BUILDS = {"avx512-vnni": (("fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnn
           "avx2": (("fma", "avx2"), ("-mfma", "-mavx2"))}
 # each build's revision: a change that moves its speed counts as a new kernel in the machine fingerprint, so that
 # studies re-measure their cost models (avx2 r2: one load per 64 packed bytes and a prefetch; r3: the draft
-# attention's dot products in four independent sums, results/PERF.md)
+# attention's dot products in four independent sums, docs/log.md)
 REVISIONS = {"avx512-vnni": 1, "avx2": 3}
 BLOCK = 128  # inputs per 64 packed bytes
 GROUPS = (32, 64, 128, 256)  # the kernel's int4 group sizes

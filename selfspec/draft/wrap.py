@@ -71,7 +71,7 @@ def set_plain(module: nn.Module, **values) -> None:
     """Set plain attributes of ``module`` (flags, names, tensors that are neither parameters nor buffers) without
     ``nn.Module.__setattr__``'s checks, which store such values in the instance's ``__dict__`` all the same.
     A draft round switches a few hundred of them (every kept linear, the head, the sublayers), and through those
-    checks that cost ~5 ms a round on the 1.5B model (results/PERF.md)."""
+    checks that cost ~5 ms a round on the 1.5B model (docs/log.md)."""
     for name in values:
         if name in module._parameters or name in module._buffers or name in module._modules:
             raise AttributeError(f"{name} is a parameter, buffer or submodule of {type(module).__name__}")

@@ -1,7 +1,7 @@
 """Attention for decode-sized forwards: a few query rows over the cache as two batched matrix products.
 
 torch's CPU SDPA runs its flash kernel even for one query row, and there it costs more than
-everything else in the layer but the weights: on a 2-core Zen 4 EPYC (``results/PERF.md``) one
+everything else in the layer but the weights: on a 2-core Zen 4 EPYC (``docs/log.md``) one
 row over 1000 cached keys took 1.34 ms per layer (12 heads on 2 key/value heads, head dim 128),
 against 0.22 ms here (``scripts/attention_bench.py``). A draft step is one row,
 so the draft paid most of it; a verify or a padded step of 4-6 rows paid about half.
@@ -11,7 +11,7 @@ over that head's keys (no repeated keys), in float32 throughout (float64 models 
 keys and the values are converted, and the output is rounded to the model's dtype once. A bf16 product
 of the probabilities and the values runs on a slow path where the CPU has no bf16 instructions (AVX2):
 there the attention took 11.4 ms a layer for 6 rows over 1000 keys, against 1.14 ms in float32
-(``scripts/attention_bench.py``, results/PERF.md, thirtieth session). Forwards of
+(``scripts/attention_bench.py``, docs/log.md). Forwards of
 more than :data:`MAX_ROWS` query rows (a prompt's prefill) and everything this path does not
 cover (no mask over several rows, dropout, soft-capping, attention sinks, a position bias) go to
 transformers' SDPA function unchanged.

@@ -45,7 +45,7 @@ class SamplingParams:
 
 # top-p looks for the nucleus among this many most likely tokens first (a partial top-k), widening
 # the search only when they hold less than top_p of the mass: a full sort of a 150k vocabulary costs
-# about as much as a decode step of a 0.5B model on a 2-core CPU (results/PERF.md)
+# about as much as a decode step of a 0.5B model on a 2-core CPU (docs/log.md)
 _NUCLEUS_FIRST = 256
 
 

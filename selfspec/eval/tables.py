@@ -33,9 +33,6 @@ COLUMNS = ["model", "dataset", "variant", "method", "kernels", "samples", "attn_
            "rouge_l", "ttft_s", "tpot_s", "latency_p99_s", "extra_memory_mb", "reps", "pass_speedups", "drift", "over_peer"]
 PASS_COLUMNS = ("reps", "pass_speedups", "drift")  # shown only in a table with a run of several passes
 PEER_COLUMNS = ("over_peer",)  # shown only in a table where our methods ran beside a transformers method
-COMPARED = ["autoregressive", "self_speculative", "self_speculative-tree", "hf_generate", "hf_prompt_lookup",
-            "hf_prompt_lookup-n5", "hf_assisted", "hf_assisted-n8", "hf_early_exit", "hf_generate_stock",
-            "hf_prompt_lookup_stock", "hf_assisted_stock", "hf_early_exit_stock"]
 HEADERS = {"model": "model", "dataset": "dataset", "variant": "run", "method": "method", "kernels": "kernels",
            "samples": "n",
            "attn_skipped": "attn skip", "mlp_skipped": "MLP skip", "k": "k", "acceptance_rate": "accept",
@@ -232,73 +229,80 @@ def to_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
-def write_tables(runs: list[Run], out_dir: Path) -> dict[str, list[dict]]:
-    """Write ``<experiment>.{md,tex,csv}``; returns the rows per experiment."""
+def provenance_lines(name: str, runs: list[Run], command: str | None = None) -> list[str]:
+    """What a table's reader needs to trust and redo it: the command, the model, commits, dates and CPUs of its runs."""
+    provs = [r.header.get("provenance") or {} for r in runs]
+    commits = sorted({(p.get("git_commit") or "unknown")[:7] + ("-dirty" if str(p.get("git_commit", "")).endswith("dirty")
+                                                                 else "") for p in provs})
+    dates = sorted({(p.get("time") or "unknown")[:10] for p in provs})
+    cpus = sorted({", ".join(str(m.get(k)) for k in ("cpu", "isa", "kernels", "int4_kernel") if m.get(k))
+                   + (f", {m['cores']} cores" if m.get("cores") else "")
+                   for m in (p.get("machine") or {} for p in provs)})
+    models = []
+    for r in runs:
+        packaged = str((r.header.get("provenance") or {}).get("model_source", "")).startswith("packaged")
+        label = f"{r.model} ({r.header.get('dtype', '?')}{', from a 4-bit GGUF' if packaged else ''})"
+        if label not in models:
+            models.append(label)
+    return [f"# {name}", "",
+            f"- command: `{command}`, then `python -m selfspec.tables`" if command else "- command: not recorded",
+            f"- model: {'; '.join(models)}",
+            f"- commit: {', '.join(commits)}; date: {', '.join(dates)}",
+            f"- CPU: {'; '.join(cpus) or 'not recorded'}",
+            "- speedup: tokens/s over the run's autoregressive loop, in one process on the same prompts and kernels; "
+            "± is half the width of a 95% paired-bootstrap interval over the prompts", ""]
+
+
+def write_tables(runs: list[Run], out_dir: Path, commands: dict[str, str] | None = None) -> dict[str, list[dict]]:
+    """Write ``<experiment>.{md,tex,csv}``, the Markdown and LaTeX with their provenance; returns the rows per
+    experiment. ``commands`` maps an experiment to the command that reproduces it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     by_exp: dict[str, list[dict]] = {}
+    runs_of: dict[str, list[Run]] = {}
     for run in runs:
         by_exp.setdefault(run.experiment, []).extend(table_rows(run))
+        runs_of.setdefault(run.experiment, []).append(run)
     for name, rows in by_exp.items():
         rows.sort(key=lambda r: (r["model"], r["dataset"], r["variant"]))
-        (out_dir / f"{name}.md").write_text(to_markdown(rows))
-        (out_dir / f"{name}.tex").write_text(to_latex(rows))
+        head = provenance_lines(name, runs_of[name], (commands or {}).get(name))
+        (out_dir / f"{name}.md").write_text("\n".join(head) + "\n" + to_markdown(rows))
+        (out_dir / f"{name}.tex").write_text("".join(f"% {line}\n" for line in head if line) + to_latex(rows))
         (out_dir / f"{name}.csv").write_text(to_csv(rows))
     return by_exp
 
 
-def method_comparison(by_exp: dict[str, list[dict]], experiments: list[str]) -> list[dict]:
-    """Speedup of every method over the autoregressive run *of its own run*, side by side.
-
-    One row per model x dataset with a column per method, merged over the
-    listed experiments (each method's number comes from a run where it and
-    the autoregressive baseline decoded the same prompts in one process); a
-    later experiment's number replaces an earlier one's, and ``sources``
-    records which experiment each number came from.
-    """
-    cells: dict[tuple[str, str], dict] = {}
-    for name in experiments:
-        for r in by_exp.get(name, []):
-            if r["variant"] != "default":
+def methods_overview(by_exp: dict[str, list[dict]]) -> list[dict]:
+    """Every method of every run side by side: one row per run x model x method, its speedup on each task set
+    over the autoregressive loop *of its own run* and the mean over the sets. Runs marked failed are left out;
+    the numbers of two rows are comparable only within one run (one process, the same prompts and kernels)."""
+    out: dict[tuple[str, str, str], dict] = {}
+    for name in sorted(by_exp):
+        for r in by_exp[name]:
+            if r["variant"] != "default" or r.get("speedup") is None:
                 continue
-            row = cells.setdefault((r["model"], r["dataset"]), {"model": r["model"], "dataset": r["dataset"]})
-            row[r["method"]] = r["speedup"]
-            row.setdefault("ci95", {})[r["method"]] = r.get("speedup_ci95")
-            row.setdefault("sources", {})[r["method"]] = name
-            if r["method"] == "autoregressive":
-                row.setdefault("ar_tokens_per_s", {})[name] = r["tokens_per_s"]
-            if r["method"] == "self_speculative":
-                row["self_speculative_match"] = r["greedy_match"]
-                row["self_speculative_acceptance"] = r["acceptance_rate"]
-    return [cells[k] for k in sorted(cells)]
+            row = out.setdefault((name, r["model"], r["method"]),
+                                 {"run": name, "model": r["model"], "method": r["method"], "sets": {}})
+            row["sets"][r["dataset"]] = r["speedup"]
+    for row in out.values():
+        row["mean"] = sum(row["sets"].values()) / len(row["sets"])
+    return list(out.values())
 
 
-def write_method_comparison(rows: list[dict], methods: list[str], out: Path) -> None:
-    heads = ["model", "dataset", *methods, "acceptance (self_spec)", "match AR (self_spec)"]
+def write_methods_overview(rows: list[dict], out: Path) -> None:
+    """``out.md`` and ``out.csv`` from :func:`methods_overview`."""
+    sets = sorted({d for r in rows for d in r["sets"]})
+    heads = ["run", "model", "method", *sets, "mean"]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-    csv_lines = [",".join(heads)]
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(heads)
     for r in rows:
-        vals = [r["model"], r["dataset"],
-                *(_speedup({"speedup": r[m], "speedup_ci95": r.get("ci95", {}).get(m)}) if r.get(m) is not None
-                  else "-" for m in methods),
-                _fmt("acceptance_rate", r.get("self_speculative_acceptance")),
-                _fmt("greedy_match", r.get("self_speculative_match"))]
-        lines.append("| " + " | ".join(vals) + " |")
-        csv_lines.append(",".join(vals))
-    means = []
-    for m in methods:
-        xs = [r[m] for r in rows if r.get(m) is not None]
-        means.append(_fmt("speedup", sum(xs) / len(xs)) + f" (n={len(xs)})" if xs else "-")
-    lines.append("| mean over task sets | | " + " | ".join(means) + " | | |")
-    sources: dict[str, set[str]] = {}
-    for r in rows:
-        for m, name in r.get("sources", {}).items():
-            sources.setdefault(name, set()).add(m)
-    notes = [f"- from run `{name}` (over the autoregressive loop of that run): " + ", ".join(m for m in methods if m in ms)
-             for name, ms in sorted(sources.items())]
+        cells = [r["run"], r["model"], r["method"],
+                 *(_fmt("speedup", r["sets"][d]) if d in r["sets"] else "-" for d in sets), _fmt("speedup", r["mean"])]
+        lines.append("| " + " | ".join(cells) + " |")
+        w.writerow([r["run"], r["model"], r["method"], *(r["sets"].get(d, "") for d in sets), r["mean"]])
     out.with_suffix(".md").write_text(
-        "Speedup in wall-clock tokens/s over our autoregressive loop, measured in the same process "
-        "on the same prompts; ± is half the width of a 95% paired-bootstrap interval over the run's "
-        "prompts (not of the drift between runs). Methods named `_stock` ran on transformers' stock "
-        "kernels; the others on the same prepacked weights as our loop.\n\n"
-        + "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n")
-    out.with_suffix(".csv").write_text("\n".join(csv_lines) + "\n")
+        "Every method of every run under results/runs: speedup in wall-clock tokens/s over the autoregressive loop "
+        "of the same run (one process, the same prompts and kernels). Compare rows within one run only; each run's "
+        "table (`<run>.md`) gives its conditions, intervals and provenance.\n\n" + "\n".join(lines) + "\n")
+    out.with_suffix(".csv").write_text(buf.getvalue())

@@ -211,7 +211,7 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
                     times[name].append(dt)
         head_times = time_heads(heads, hidden, 3 * reps, clock)
     # each forward in units of the plain forward timed in the same pass, times the median plain forward: the
-    # machine's speed drifts (by a quarter within minutes on a shared 2-core VM, results/PERF.md), and a drift
+    # machine's speed drifts (by a quarter within minutes on a shared 2-core VM, docs/log.md), and a drift
     # between passes then moves every cost alike instead of skewing the differences the sublayer costs come from
     full_med = statistics.median(times["full"])
     med = {name: full_med * statistics.median(t / f for t, f in zip(v, times["full"])) for name, v in times.items()}
@@ -269,7 +269,7 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
     and the last serves two repetitions), and the drafts run in rotating order: one AR run a
     repetition, as its only reference, moved every overhead of the repetition by its own noise
     (a 24-token AR run's step varied by +-9% within a minute on a shared 2-core VM, and the verify
-    overhead measured that way read -14 to +8 ms over eight measurements: results/PERF.md).
+    overhead measured that way read -14 to +8 ms over eight measurements: docs/log.md).
     """
     n = costs.num_layers
     base = DecodeConfig(max_new_tokens=tokens, k=3, fallback=False)

@@ -272,7 +272,7 @@ def fit_final_stages(s: SearchSettings, left_s: float | None, run_s: float, n_he
     tokens, the ablation AR and ``n_variants`` drafts on the ``n_timed`` re-timing prompts. Trimmed in order:
     the ablation to one repetition, the held-out check to one, then no ablation; the held-out check always runs.
     When even that would not fit, everything runs as set (the report's time note then says why). ``margin``:
-    the estimate times this must fit (the main job's held-out check ran ~15% over it, results/PERF.md).
+    the estimate times this must fit (the main job's held-out check ran ~15% over it, docs/log.md).
     """
     held, ablation = s.heldout.reps, (s.retime.reps if s.ablation and n_variants else 0)
     per_held = 2 * n_held * run_s * s.heldout.max_new_tokens / s.retime.max_new_tokens
@@ -493,7 +493,7 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     if not tops:
         raise SelfSpecError("no trial finished within the budget; widen min_skipped/max_skipped or run more trials")
     # the best few, and the best one with no sublayer skipped (its options alone): the cost model can price
-    # a skip above what it saves (it did on the 0.5B, results/PERF.md), and only a real run tells
+    # a skip above what it saves (it did on the 0.5B, docs/log.md), and only a real run tells
     entries = [(r.spec, r.value, r.trial.user_attrs.get("predicted_acceptance")) for r in tops]
     alike = {r.spec.key: [t.describe() for t in r.twins] for r in tops}  # predicted alike: not re-timed
     twin = skip_free(tops[0].spec)
@@ -657,8 +657,8 @@ def prediction_gap(r: SearchReport, margin: float = 0.85) -> str | None:
             f"same prompts and tokens, with acceptance as predicted ({m['acceptance']:.2f} / {p['acceptance']:.2f}): the "
             "cost model priced its rounds too cheap, so the re-timing's measurement chose the draft. Its noisiest part "
             f"is what the decoding loop adds to each forward{overheads}, from a few short runs on a machine whose speed "
-            "may drift; `python scripts/round_costs.py <study storage> --remeasure` prices the same rounds with a cost "
-            "model measured now (results/PERF.md).")
+            "may drift; `selfspec-inspect round-costs <study storage> --remeasure` prices the same rounds with a cost "
+            "model measured now (docs/log.md).")
 
 
 def heldout_gap(r: SearchReport, margin: float = 0.9) -> str | None:

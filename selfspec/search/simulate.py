@@ -21,7 +21,7 @@ loop runs it:
   never overwritten (:class:`_ChunkCache`).
 - lazy rows: a chain's round needs the draft's outputs only up to its first miss (fixed
   ``k``) or its adaptive stop, and a row of a forward costs about as much as the forward
-  itself once a batch holds more than a few (results/PERF.md). So a chain's chunk is drafted
+  itself once a batch holds more than a few (docs/log.md). So a chain's chunk is drafted
   one position a forward, its own keys/values kept in its prompt's scratch slots between
   forwards, until the round is decided (:func:`_decided`); a tree's needs all ``k``.
 - draft trees (:mod:`selfspec.engine.tree`): a copy tree is the trie of the distinct

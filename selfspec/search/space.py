@@ -29,7 +29,7 @@ from selfspec.errors import SelfSpecError
 # Generic drafts a study runs first (``search.anchors``), as value preferences per dimension: the first
 # preferred value the space holds, else the space's first. They are not tuned to a model: the first is
 # the cheapest skip-free model draft with copies, the kind every search on these CPUs ended near when it
-# found it, and which 100 TPE trials did not always reach (results/PERF.md); the second copies only, as
+# found it, and which 100 TPE trials did not always reach (docs/log.md); the second copies only, as
 # prompt lookup does. TPE then searches around whichever scores best.
 ANCHORS: tuple[dict[str, tuple], ...] = (
     {"skipping": (False,), "weights": ("int4", "int8"), "group_size": (128,), "head_tokens": (0,),

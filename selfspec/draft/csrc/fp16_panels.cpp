@@ -6,7 +6,7 @@
 // for all M rows (blocks of 6 rows x 16 outputs in twelve ymm accumulators, the panel's blocks of 256 inputs kept in
 // L1 across the row blocks), so a forward over 2-16 rows reads the weights about as fast as over one. fbgemm's fp16
 // kernel, which this replaces on such CPUs, handles 6 rows at a time and reads every weight again for each further 6
-// (results/PERF.md, thirty-second session). The sums run in fp32 in another order than fbgemm's: the same numbers up
+// (docs/log.md). The sums run in fp32 in another order than fbgemm's: the same numbers up
 // to rounding, rounded once to the output's dtype.
 #include <torch/library.h>
 #include <torch/torch.h>

@@ -139,10 +139,10 @@ void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, 
 // both its nibbles used: inputs 0-31 and 32-63 are the low halves of bytes 0-31 and 32-63 (block 2c), inputs 64-95
 // and 96-127 their high halves (block 2c + 1). Integer sums and float order are those of a loop over blocks that
 // loads the chunk once per block; with the prefetch, one-row products ran 1.4-1.6x as fast on a Zen 3
-// (results/PERF.md).
+// (docs/log.md).
 
 // packed bytes read ahead of the chunk in use: the rows are contiguous, so it runs on into the next rows (on the
-// Zen 3, 2 KiB took the one-row product from ~22 to ~29 G weights/s, results/PERF.md)
+// Zen 3, 2 KiB took the one-row product from ~22 to ~29 G weights/s, docs/log.md)
 constexpr int64_t PREFETCH_BYTES = 2048;
 
 // the int4 values of chunk c of a row's bytes: inputs 0-31, 32-63, 64-95, 96-127

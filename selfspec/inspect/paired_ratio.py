@@ -1,0 +1,40 @@
+"""One method's speed over another's in an eval run, per task set, with the paired-bootstrap 95% interval.
+
+    selfspec-inspect paired-ratio results/runs/tree_avx2_whole/qwen2.5-coder-1.5b self_speculative-tree8 \
+        self_speculative-chain
+
+The tables give each method's speedup over AR and, for ours, the ratio over the fastest transformers peer; this
+gives the ratio of any two methods of the run (tokens over time of both on the same prompts, as the tables take
+it; :func:`selfspec.eval.records.paired_bootstrap`) and their tokens a round, one line per task set folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from selfspec.errors import SelfSpecError
+from selfspec.eval.records import paired_bootstrap, read_jsonl, summarize
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="selfspec-inspect paired-ratio", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", help="an eval run's model folder: one folder per task set, each with samples.jsonl")
+    ap.add_argument("method")
+    ap.add_argument("base")
+    args = ap.parse_args(argv)
+    folders = sorted(p.parent for p in Path(args.run).glob("*/samples.jsonl"))
+    if not folders:
+        raise SelfSpecError(f"no */samples.jsonl under {args.run}")
+    for folder in folders:
+        _, rows = read_jsonl(folder / "samples.jsonl")
+        mine, base = ([r for r in rows if r.get("method") == m] for m in (args.method, args.base))
+        if not mine or not base:
+            raise SelfSpecError(f"{folder}: no rows of {args.method if not mine else args.base}")
+        lo, hi = paired_bootstrap(mine, base)
+        s = summarize(mine + base, args.base)
+        lengths = " / ".join(f"{s[m]['mean_accepted_length']:.2f}" if s[m].get("rounds") else "-"
+                             for m in (args.method, args.base))
+        print(f"{folder.name:<16} {args.method} over {args.base}: {s[args.method]['speedup']:.3f}x (95% {lo:.3f}-{hi:.3f}); "
+              f"tokens a round {lengths}")
+

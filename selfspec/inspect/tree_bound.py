@@ -1,0 +1,132 @@
+"""How far can a draft tree go past a chain with the same draft? Simulated tokens per round, the oracle bound, prices.
+
+    selfspec-inspect tree-bound results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v8.db \
+        --draft results/plans/qwen2.5-coder-1.5b-default.json [--tokens 128] \
+        [--groups humaneval gsm8k mtbench summarization] [--branch 0.3 0.6 0.99] [--nodes 8 12] \
+        [--k 3 4 6 8 10] [--dtype bfloat16] [--out results/tree_bound.jsonl]
+
+Decodes the study's calibration prompts with our AR (``--tokens`` each) and simulates the draft's rounds on those
+continuations (:mod:`selfspec.search.simulate`, exact for greedy decoding):
+
+- ``chain``: the draft with one copy candidate and no branching;
+- ``as found``: the draft file as it is;
+- ``tree b/n``: 3 copy candidates and the model draft's 2nd-best token beside each position whose top probability
+  is under ``b``, at most ``n`` nodes, for every ``--branch`` and ``--nodes``;
+- ``oracle``: the chain, with every model-drafted round accepting all it drafted: the tokens per round of a tree that
+  always holds the target's continuation to the chain's depth, the most any tree of that depth over this draft
+  reaches (copy rounds as the chain's);
+- ``chain k=K`` and ``oracle k=K`` for every ``--k``: the same at other depths. A tree drafted in ``K`` sequential
+  draft forwards emits at most the tokens of ``oracle k=K`` and costs at least its price, so the best ``oracle k=K``
+  bounds the speed of every such tree over this draft (copy rounds as the chain's).
+
+Every variant is priced by a cost model measured now, on the kernels checked out (a tree of ``n`` nodes verifies
+``n + 1`` rows; the oracle is priced as the chain, so its price is a bound too). Prints, per group of prompts and
+as the mean over the groups, tokens per round, its gain over the chain and the predicted decode speedup, and appends
+one JSON line to ``--out``. The study's mix lists its calibration prompts part by part, the same number of each:
+``--groups`` names the parts in that order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import replace
+
+from selfspec.draft.spec import DraftSpec
+from selfspec.engine.decoding import DecodeConfig, autoregressive
+from selfspec.errors import SelfSpecError
+from selfspec.provenance import append_row
+from selfspec.search.costs import costs_for_drafts
+from selfspec.search.pipeline import replay_study
+from selfspec.search.simulate import RoundSimulator
+
+ORACLE = "oracle"
+
+
+def variants(spec: DraftSpec, branches: list[float], nodes: list[int], ks: list[int]) -> dict[str, DraftSpec]:
+    """The chain, the draft as found, its trees and the chain at other depths, by name (the oracles are chains)."""
+    chain = replace(spec, options=replace(spec.options, copy_candidates=1, branch_below=0.0))
+    out = {"chain": chain, "as found": spec}
+    for k in ks:
+        if k != spec.k:
+            out[f"chain k={k}"] = replace(chain, k=k)
+    for n in nodes:
+        out[f"tree copies only/{n}"] = replace(spec, options=replace(spec.options, copy_candidates=3, branch_below=0.0,
+                                                                     tree_nodes=n))
+        for b in branches:
+            out[f"tree {b:g}/{n}"] = replace(spec, options=replace(spec.options, copy_candidates=3, branch_below=b,
+                                                                   tree_nodes=n))
+    return out
+
+
+def group_of(n_prompts: int, names: list[str]) -> list[tuple[str, list[int]]]:
+    """The prompts' indices by group: ``names`` split the list into equal runs, in order (one group ``all`` without)."""
+    if not names:
+        return [("all", list(range(n_prompts)))]
+    if n_prompts % len(names):
+        raise SelfSpecError(f"{n_prompts} prompts do not split into {len(names)} equal groups")
+    per = n_prompts // len(names)
+    return [(name, list(range(g * per, (g + 1) * per))) for g, name in enumerate(names)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="selfspec-inspect tree-bound", description=__doc__.split("\n\n")[0])
+    ap.add_argument("study", help="the study's storage (.db or .journal): its calibration prompts")
+    ap.add_argument("--name", help="the study's name (default: the file's stem)")
+    ap.add_argument("--draft", required=True, help="the draft file")
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
+    ap.add_argument("--groups", nargs="*", default=["humaneval", "gsm8k", "mtbench", "summarization"],
+                    help="names of the study's parts, in order (none: one group)")
+    ap.add_argument("--branch", type=float, nargs="*", default=[0.3, 0.6, 0.99], help="branch_below values to simulate")
+    ap.add_argument("--nodes", type=int, nargs="*", default=[8, 12], help="tree_nodes values to simulate")
+    ap.add_argument("--k", type=int, nargs="*", default=[3, 4, 6, 8, 10], help="other depths for the chain and oracle")
+    ap.add_argument("--dtype", default="bfloat16", help="the model's dtype, as the search ran it")
+    ap.add_argument("--out", default="results/tree_bound.jsonl")
+    args = ap.parse_args(argv)
+    name, saved, _, lm = replay_study(args.study, args.name, args.dtype)
+    spec = DraftSpec.load(args.draft)
+    prompts = saved["key"]["prompts"]
+    groups = group_of(len(prompts), args.groups)
+    drafts = variants(spec, args.branch, args.nodes, args.k)
+    oracles = {ORACLE: drafts["chain"]} | {n.replace("chain", ORACLE, 1): d for n, d in drafts.items()
+                                           if n.startswith("chain k=")}
+    cfg = DecodeConfig(max_new_tokens=args.tokens)
+    conts = []
+    for i, p in enumerate(prompts, 1):
+        print(f"decoding prompt {i}/{len(prompts)} with our AR", file=sys.stderr, flush=True)
+        conts.append(autoregressive(lm.model, p, cfg, lm.eos_ids).tokens)
+    print("measuring the cost model", file=sys.stderr, flush=True)
+    costs = costs_for_drafts(lm, prompts[0] + conts[0], list(drafts.values()))
+    sim = RoundSimulator(lm.model, prompts, conts, lm.eos_ids)
+    rows = []
+    for label, d in [*drafts.items(), *oracles.items()]:
+        print(f"simulating {label}", file=sys.stderr, flush=True)
+        for group, idx in groups:
+            counts = sim.simulate(d, prompts=idx, oracle=label in oracles)
+            rows.append({"variant": label, "group": group, "tokens_per_round": counts.tokens_per_round,
+                         "acceptance": counts.acceptance, "decode_speedup": costs.predicted_speedup(counts, d),
+                         "rounds": counts.to_dict()})
+    by = {(r["variant"], r["group"]): r for r in rows}
+    names = [g for g, _ in groups]
+    print(f"{len(prompts)} calibration prompts of {name} x {args.tokens} tokens; draft {spec.describe()}; "
+          f"prices: a cost model measured now ({costs.machine.get('cpu', '?')}, {costs.machine.get('isa', '?')}, "
+          f"{costs.machine.get('kernels', '?')})")
+    print("variant".ljust(22) + "".join(f"{g[:13]:>16}" for g in names) + f"{'mean':>16}")
+    summary = {}
+    for label in [*drafts, *oracles]:
+        tpr = [by[(label, g)]["tokens_per_round"] for g in names]
+        gain = [t / by[("chain", g)]["tokens_per_round"] for g, t in zip(names, tpr)]
+        speed = [by[(label, g)]["decode_speedup"] for g in names]
+        summary[label] = {"tokens_per_round": statistics.mean(tpr), "tokens_gain": statistics.mean(gain),
+                          "decode_speedup": statistics.mean(speed),
+                          "speed_gain": statistics.mean(s / by[("chain", g)]["decode_speedup"] for g, s in zip(names, speed))}
+        cells = [f"{t:.2f} {x - 1:+.0%} {s:.2f}x" for t, x, s in zip(tpr, gain, speed)]
+        m = summary[label]
+        cells.append(f"{m['tokens_per_round']:.2f} {m['tokens_gain'] - 1:+.0%} {m['decode_speedup']:.2f}x")
+        print(label.ljust(22) + "".join(f"{c:>16}" for c in cells))
+    print("cells: tokens per round, its gain over the chain, predicted decode speedup over our AR")
+    record = {"study": name, "draft": args.draft, "spec": spec.describe(), "tokens": args.tokens, "groups": names,
+              "prompts": len(prompts), "rows": rows, "summary": summary, "costs": costs.to_dict()}
+    append_row(args.out, record, echo=False)
+
