@@ -110,15 +110,24 @@ def append_row(path: str | Path, row: dict, *, echo: bool = True) -> dict:
     full.setdefault("git_commit", git_commit())
     full.setdefault("machine", machine_fingerprint())
     full.setdefault("time", datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    line = json.dumps(strict_json(full), allow_nan=False) + "\n"
+    append_lines(path, [full])
+    if echo:
+        print(json.dumps(strict_json(full)), flush=True)
+    return full
+
+
+def append_lines(path: str | Path, rows: list[dict]) -> None:
+    """Append ``rows`` to ``path`` as strict JSON lines (non-finite floats as null) in one ``write`` on a file
+    opened for appending, then flush them to disk: a crash leaves the earlier lines whole, and two writers never
+    interleave inside a line."""
+    data = "".join(json.dumps(strict_json(r), allow_nan=False) + "\n" for r in rows).encode("utf-8")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode("utf-8"))
+        view = memoryview(data)
+        while view:  # a regular file takes it whole; after a short write (a full disk) the next call raises
+            view = view[os.write(fd, view):]
         os.fsync(fd)
     finally:
         os.close(fd)
-    if echo:
-        print(line, end="", flush=True)
-    return full

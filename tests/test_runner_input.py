@@ -67,6 +67,37 @@ def test_a_torn_last_line_is_dropped_before_resuming(lm, tasks, tmp_path):
     assert summarize(rows, "autoregressive")["autoregressive"]["samples"] == 2
 
 
+def test_a_sample_torn_after_its_first_row_is_decoded_again_without_a_doubled_row(lm, tasks, tmp_path):
+    """A full disk or a kill mid-write can leave a sample's first row whole and the next one torn: the whole
+    sample is decoded again on resume, so its lone first row must go, or (sample, method) would be there twice."""
+    path = tmp_path / "samples.jsonl"
+    methods = ("autoregressive", "self_speculative")
+    _run(lm, tasks, path, 1, methods=methods)
+    first = path.read_text().splitlines()[1]  # e0's autoregressive row, as if e1's had been written that far
+    with open(path, "a") as f:
+        f.write(first.replace("tiny/e0", "tiny/e1") + "\n" + '{"type": "sample", "sample_id": "tiny/e1", "met')
+    rows = _run(lm, tasks, path, 2, methods=methods)
+    keys = [(r["sample_id"], r["method"]) for r in map(json.loads, path.read_text().splitlines()[1:])]
+    assert len(keys) == len(set(keys)) == 4 and len(rows) == 4
+    assert summarize(rows, "autoregressive")["self_speculative"]["samples"] == 2
+
+
+def test_repair_cuts_only_a_last_sample_that_lacks_methods(tmp_path):
+    from selfspec.eval.records import repair_torn_tail
+
+    def line(sample, method):
+        return json.dumps({"type": "sample", "sample_id": sample, "method": method}) + "\n"
+
+    path = tmp_path / "samples.jsonl"
+    whole = '{"type": "header"}\n' + line("a", "m1") + line("a", "m2")
+    path.write_text(whole + line("b", "m1") + '{"type": "sam')
+    assert repair_torn_tail(path, ["m1", "m2"]) == 2 and path.read_text() == whole
+    assert repair_torn_tail(path, ["m1", "m2"]) == 0 and path.read_text() == whole  # a whole last sample stays
+    path.write_text(whole + line("b", "m1"))
+    assert repair_torn_tail(path) == 0  # without the methods only a partial line goes
+    assert repair_torn_tail(path, ["m1", "m2"]) == 1 and path.read_text() == whole
+
+
 def test_a_method_listed_twice_is_refused(lm, tasks, tmp_path):
     with pytest.raises(SelfSpecError, match="autoregressive more than once"):
         _run(lm, tasks, tmp_path / "s.jsonl", 1, methods=("autoregressive", "autoregressive"))

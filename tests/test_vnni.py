@@ -276,3 +276,35 @@ def test_plain_attributes_are_set_without_module_checks_but_never_over_parameter
     assert lin.active is True
     with pytest.raises(AttributeError, match="parameter"):
         set_plain(lin, weight=torch.zeros(4, 4))
+
+
+def test_a_build_stopped_midway_leaves_no_lock_that_blocks_the_next(tmp_path, monkeypatch, capsys):
+    """torch's build guards its folder with a `lock` file; a process killed mid-build leaves it behind, and the next
+    build must not wait on it forever (ours holds an flock, which the OS drops with the process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch.utils.cpp_extension as ext
+
+    killed_mid_build = (
+        "import os, pathlib, signal\n"
+        "import torch.utils.cpp_extension as ext\n"
+        "def stop(name, sources, build_directory, **kw):\n"
+        "    pathlib.Path(build_directory, 'lock').write_text('')  # torch's baton, then the process dies\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "ext.load = stop\n"
+        "from selfspec.draft import vnni\n"
+        "vnni.compile_extension(vnni.SOURCE, 'int4_vnni-test', [])\n")
+    p = subprocess.run([sys.executable, "-c", killed_mid_build], env={**os.environ, "SELFSPEC_CACHE": str(tmp_path)},
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9, p.stderr[-2000:]
+    (left,) = tmp_path.glob("kernels/int4_vnni-test-*/lock")
+    seen = []
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(ext, "load", lambda name, sources, build_directory, **kw:
+                        seen.append(Path(build_directory, "lock").exists()))
+    vnni.compile_extension(vnni.SOURCE, "int4_vnni-test", [])
+    assert seen == [False] and not left.exists()
+    assert "removed a stale build lock" in capsys.readouterr().err

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from selfspec.assets.models import MODELS, encode_prompt, load_model
 from selfspec.cli.config import default_model
+from selfspec.cli.show import legend, pieces, render
 from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig
@@ -71,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cache-dir", help="where packaged models are cached (default ~/.cache/selfspec)")
     ap.add_argument("--json", action="store_true", help="print one JSON line with both summaries at the end")
+    ap.add_argument("--show-sources", action="store_true",
+                    help="mark each token of the answer by where it came from: copied, drafted and accepted, or the "
+                         "verify pass's own (colours in a terminal, brackets elsewhere or with NO_COLOR set)")
     return ap
 
 
@@ -105,7 +110,13 @@ def _run(args) -> int:
     ar, sp = (run(ids, None) for run in runs.values())
     a, s = ar.stats.summary(), sp.stats.summary()
     print("\n--- self-speculative output ---")
-    print(lm.tokenizer.decode(sp.tokens, skip_special_tokens=True))
+    if args.show_sources:
+        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        print(render(pieces(lm.tokenizer, sp.tokens), sp.sources, color))
+        print("-------------------------------")
+        print(legend(sp.sources, color))
+    else:
+        print(lm.tokenizer.decode(sp.tokens, skip_special_tokens=True))
     print("-------------------------------")
     print(f"{'':22}{'autoregressive':>16}{'self_speculative':>18}")
     for key, fmt in (("new_tokens", "{:.0f}"), ("tokens_per_s", "{:.2f}"), ("ttft_s", "{:.3f}"),

@@ -10,7 +10,7 @@ reading weights, so a half or a quarter of the bytes makes a draft step about
 that much cheaper.
 
 An int4 copy of a bf16 weight runs on :mod:`selfspec.draft.vnni` (int8 activations, integer products on
-AVX-512 VNNI; the same int4 values in another layout) where that kernel runs and takes the shape, else on torch's
+AVX-512 VNNI, or AVX2 + FMA; the same int4 values in another layout) where that kernel runs and takes the shape, else on torch's
 kernel. Each copy carries the name of the kernel it was laid out for (:func:`quantize`).
 
 Linears of one module that read the same input (:data:`SIBLINGS`: an attention's q/k/v, an MLP's gate/up) share

@@ -70,7 +70,7 @@ class DraftOptions:
     # c >= 1: a copy after a match of m tokens drafts at most c*m tokens (and at most copy_tokens, or k); short
     # matches are wrong more often and a long wrong copy widens the verify for nothing; 0 = every match copies alike
     copy_per_match: int = 0
-    # draft trees (greedy decoding only; selfspec.engine.tree): several candidates in one verify forward
+    # draft trees (greedy or sampling; selfspec.engine.tree): several candidates in one verify forward
     copy_candidates: int = 1  # distinct continuations of earlier n-gram matches, latest first; 1 = a chain
     branch_below: float = 0.0  # model drafts add the 2nd-best token where the top probability is below this
     tree_nodes: int = 12  # most drafted nodes a tree verifies at once; its first candidate goes in whole (docs/log.md)

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from selfspec.errors import SelfSpecError
+from selfspec.locks import waiting
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_vnni.cpp"
 # the builds, best first: name -> (the CPU flags it needs, the compiler's flags)
@@ -166,8 +167,18 @@ def compile_extension(source: Path, stem: str, flags: list[str]) -> None:
     where = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
     build = default_cache_dir() / "kernels" / f"{stem}-torch{torch.__version__.split('+')[0]}-{where}"
     build.mkdir(parents=True, exist_ok=True)
-    load(f"selfspec_{stem.replace('-', '_')}", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-         build_directory=str(build), verbose=False, is_python_module=False)
+    # torch's build guards its folder with a `lock` file that a process stopped mid-build (an error elsewhere while
+    # the build ran in a background thread, a kill) leaves behind, and every later build then waits on it forever.
+    # Ours is an flock, which the OS drops with its holder: while it is held no other build of ours runs here, so a
+    # `lock` file found then is stale.
+    with waiting(build / "lock", f"the build of the {stem} kernel in {build}"):
+        stale = build / "lock"
+        if stale.exists():
+            print(f"selfspec: removed a stale build lock at {stale} (a build stopped before it finished)",
+                  file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        load(f"selfspec_{stem.replace('-', '_')}", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+             build_directory=str(build), verbose=False, is_python_module=False)
 
 
 def pack(q: torch.Tensor, scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -134,10 +134,18 @@ class DecodeConfig:
 
 @dataclass
 class Generation:
-    """New token ids (EOS included when it ended the request) and the raw stats."""
+    """New token ids (EOS included when it ended the request), the raw stats, and where each token came from
+    (:data:`SOURCES`; empty where a method does not say)."""
 
     tokens: list[int]
     stats: DecodeStats
+    sources: list[str] = field(default_factory=list)
+
+
+SOURCES = {"step": "a full-model step (the prefill's token, a plain step)",
+           "copy": "copied from the context and accepted by the verify pass",
+           "draft": "drafted by the cheap model and accepted by the verify pass",
+           "verify": "the verify pass's own token: the correction of the first rejected draft, or the bonus token"}
 
 
 def forward_at(model, cache: PositionalKVCache, tokens: torch.Tensor, start: int, keep: int,
@@ -216,6 +224,7 @@ class Request:
         if not cfg.sampling.greedy:
             self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.out: list[int] = []
+        self.sources: list[str] = []  # one SOURCES key per token of out
         self.pos = 0
         self.pending = -1
         self.done = cfg.max_new_tokens == 0
@@ -235,8 +244,9 @@ class Request:
         return int(sample(probs_from_logits(logits, self.cfg.sampling), self.generator))
 
     # -- bookkeeping shared by both methods ------------------------------------------
-    def emit(self, tokens: list[int]) -> list[int]:
-        """Append tokens, stopping at EOS and at max_new_tokens; returns what was kept."""
+    def emit(self, tokens: list[int], sources: list[str]) -> list[int]:
+        """Append tokens (each from the matching :data:`SOURCES` key), stopping at EOS and at max_new_tokens;
+        returns what was kept."""
         room = self.cfg.max_new_tokens - len(self.out)
         kept = tokens[:room]
         for i, t in enumerate(kept):
@@ -246,6 +256,7 @@ class Request:
                 self.done = True
                 break
         self.out.extend(kept)
+        self.sources.extend(sources[: len(kept)])
         if len(self.out) >= self.cfg.max_new_tokens and not self.done:
             self.stats.stop_reason = "max_new_tokens"
             self.done = True
@@ -261,7 +272,7 @@ class Request:
         first = self.pick(logits[-1])
         self.pos = self.prompt.numel()
         self.pending = first
-        self.emit([first])
+        self.emit([first], ["step"])
         self.stats.ttft = self.stats.prefill_time = self.clock.now() - self.t_start
         self.stats.new_tokens = 1
 
@@ -272,7 +283,7 @@ class Request:
         nxt = self.pick(logits[-1])
         self.pos += 1
         self.pending = nxt
-        kept = self.emit([nxt])
+        kept = self.emit([nxt], ["step"])
         dt = self.clock.now() - t0
         self.stats.plain_steps += 1
         self.stats.step_time += dt
@@ -283,7 +294,7 @@ class Request:
 
     def finish(self) -> Generation:
         self.stats.total_time = self.clock.now() - self.t_start
-        return Generation(tokens=list(self.out), stats=self.stats)
+        return Generation(tokens=list(self.out), stats=self.stats, sources=list(self.sources))
 
 
 def autoregressive(model, prompt_ids, cfg: DecodeConfig, eos_ids=()) -> Generation:
@@ -477,7 +488,8 @@ class Speculator:
         n = len(path)
         run.pos += n + 1
         run.pending = nxt
-        kept = run.emit([tree.tokens[i] for i in path] + [nxt])
+        kinds = ["copy" if tree.source[i].startswith("copy") else "draft" for i in path]
+        kept = run.emit([tree.tokens[i] for i in path] + [nxt], kinds + ["verify"])
         t2 = run.clock.now()
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1
@@ -537,7 +549,7 @@ class Speculator:
         n, nxt = self.verify(drafts, qs)
         run.pos += n + 1
         run.pending = nxt
-        kept = run.emit(drafts[:n] + [nxt])
+        kept = run.emit(drafts[:n] + [nxt], ["copy" if copied else "draft"] * n + ["verify"])
         t2 = run.clock.now()
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1

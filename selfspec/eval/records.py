@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -92,16 +93,42 @@ def skipped_samples(path: Path) -> dict[str, str]:
     return {row["sample_id"]: row.get("reason", "") for row in _json_lines(path) if row.get("type") == "skipped"}
 
 
-def repair_torn_tail(path: Path) -> bool:
-    """Cut a partial last line (no closing newline) off ``path``; True when there was one."""
+def repair_torn_tail(path: Path, methods: list[str] | None = None) -> int:
+    """Cut off what a write stopped midway (a kill, a full disk) left at the end of ``path``; returns the lines cut.
+
+    A partial last line (no closing newline) always goes. With ``methods``, so do the rows of a last (pass, sample)
+    that lacks some of them: a sample's rows are written together, so such rows are the head of a torn write, and
+    the sample is decoded (and all its rows written) again on resume; kept, they would be there twice.
+    """
     if not path.is_file() or path.stat().st_size == 0:
-        return False
+        return 0
     data = path.read_bytes()
-    if data.endswith(b"\n"):
-        return False
-    with open(path, "rb+") as f:
-        f.truncate(data.rfind(b"\n") + 1)
-    return True
+    end = data.rfind(b"\n") + 1  # the end of the last whole line
+    cut = int(end < len(data))
+    if methods:
+        lines = data[:end].splitlines(keepends=True)
+        group, start = None, end
+        for line in reversed(lines):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if row.get("type") != "sample" or group not in (None, row_key(row)):
+                break
+            group, start = row_key(row), start - len(line)
+            methods_seen = {json.loads(x).get("method") for x in data[start:end].splitlines()}
+            if set(methods) <= methods_seen:  # the last sample is whole: nothing more to cut
+                start = end
+                break
+        if start < end:
+            cut += data[start:end].count(b"\n")
+            end = start
+    if end < len(data):
+        with open(path, "rb+") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    return cut
 
 
 def decode_record(cfg: DecodeConfig) -> dict:

@@ -34,8 +34,15 @@ from selfspec.engine.stats import DecodeStats
 from selfspec.errors import RunRefused, SelfSpecError
 from selfspec.eval.harness import rotated, warm_up
 from selfspec.eval.methods import Method
-from selfspec.eval.records import decode_record, read_jsonl, repair_torn_tail, sample_row, skipped_samples
+from selfspec.eval.records import (
+    decode_record,
+    read_jsonl,
+    repair_torn_tail,
+    sample_row,
+    skipped_samples,
+)
 from selfspec.locks import exclusive
+from selfspec.provenance import append_lines
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,9 @@ def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings
     """The body of :func:`evaluate`, run while its lock on the results file is held."""
     path, names = settings.out_path, [m.name for m in methods]
     samples = list(tasks.eval[: settings.n_samples])
-    repair_torn_tail(path)  # a kill mid-write leaves a partial last line: drop it before appending
+    # a write stopped midway (a kill, a full disk) leaves a partial line, or a sample's first rows without the
+    # rest: cut them off before reading, so the sample is decoded again and its rows are never there twice
+    repair_torn_tail(path, names)
     old_header, rows = read_jsonl(path)
     if old_header is not None and old_header.get("fingerprint") != fingerprint:
         raise RunRefused(
@@ -154,15 +163,13 @@ def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings
                 new_rows.append(sample_row(sample, m.name, gen, texts, rep=rep))
         except SelfSpecError as e:  # this sample cannot be decoded (too long for the model, an empty turn)
             print(f"[selfspec] sample {sample.id} skipped: {e}", file=sys.stderr)
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"type": "skipped", "sample_id": sample.id, "reason": str(e)}) + "\n")
+            append_lines(path, [{"type": "skipped", "sample_id": sample.id, "reason": str(e)}])
             skipped[sample.id] = str(e)
             continue
         new_rows.sort(key=lambda r: names.index(r["method"]))
         for r in new_rows:
             r["peak_rss_bytes"] = _peak_rss_bytes()
-        with open(path, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in new_rows))
+        append_lines(path, new_rows)  # one write for the sample's rows
         rows.extend(new_rows)
         bar.set_postfix({short_name(r["method"]): f"{r['tokens_per_s']:.1f}t/s" for r in new_rows})
         if on_sample:

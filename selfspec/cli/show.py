@@ -1,0 +1,50 @@
+"""An answer with each token marked by where it came from (:data:`selfspec.engine.decoding.SOURCES`).
+
+In a terminal each source has a colour; elsewhere (``color=False``: a pipe, a file, ``NO_COLOR``) copied tokens
+stand in ``[...]``, drafted ones in ``{...}`` and the verify pass's own in ``<...>``; plain steps stay unmarked.
+"""
+
+from __future__ import annotations
+
+COLORS = {"copy": "\033[44;97m", "draft": "\033[42;30m", "verify": "\033[43;30m", "step": ""}  # blue, green, yellow
+RESET = "\033[0m"
+MARKS = {"copy": ("[", "]"), "draft": ("{", "}"), "verify": ("<", ">"), "step": ("", "")}
+NAMES = {"copy": "copied from the context", "draft": "drafted and accepted", "verify": "from the verify pass",
+         "step": "a plain full-model step"}
+
+
+def pieces(tokenizer, tokens: list[int]) -> list[str]:
+    """The text each token adds (decoding the whole prefix each time, so a character split over tokens stays whole)."""
+    out, before = [], ""
+    for i in range(len(tokens)):
+        text = tokenizer.decode(tokens[: i + 1], skip_special_tokens=True)
+        out.append(text[len(before):] if text.startswith(before) else text)
+        before = text
+    return out
+
+
+def render(texts: list[str], sources: list[str], color: bool) -> str:
+    """Join ``texts``, each marked by its source; runs of one source share one mark."""
+    out, i = [], 0
+    while i < len(texts):
+        j = i
+        while j < len(texts) and sources[j] == sources[i]:
+            j += 1
+        run, kind = "".join(texts[i:j]), sources[i]
+        if color and COLORS.get(kind):
+            out.append("\n".join(f"{COLORS[kind]}{part}{RESET}" if part else "" for part in run.split("\n")))
+        else:
+            left, right = MARKS.get(kind, ("", ""))
+            out.append(f"{left}{run}{right}" if run else "")
+        i = j
+    return "".join(out)
+
+
+def legend(sources: list[str], color: bool) -> str:
+    """One line naming each source with its mark and how many tokens came from it."""
+    parts = []
+    for kind in ("copy", "draft", "verify", "step"):
+        n = sources.count(kind)
+        sample = render([kind], [kind], color) if kind != "step" else "plain"
+        parts.append(f"{sample} {NAMES[kind]}: {n}")
+    return "   ".join(parts)
