@@ -19,8 +19,8 @@ import torch
 from selfspec.assets.models import load_model
 from selfspec.cli.config import calibration_prompts
 from selfspec.engine.decoding import DecodeConfig
+from selfspec.engine.harness import interleaved
 from selfspec.engine.stats import DecodeStats
-from selfspec.eval.harness import interleaved
 from selfspec.eval.methods import build_method
 from selfspec.provenance import append_row, git_commit
 

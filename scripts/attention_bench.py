@@ -19,13 +19,13 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from selfspec.assets.models import load_model
-from selfspec.draft.packed import kernels_label, packed_weights
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.draft.plan import SkipPlan
 from selfspec.engine.attention import attention_forward, decode_attention
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
+from selfspec.kernels.packed import kernels_label, packed_weights
+from selfspec.model.plan import SkipPlan
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
 

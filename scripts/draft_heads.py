@@ -25,12 +25,12 @@ import torch
 from selfspec.assets.models import load_model
 from selfspec.cli.config import calibration_prompts
 from selfspec.draft.lowbit import quantize
-from selfspec.draft.packed import packed_weights
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.draft.plan import SkipPlan
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import DecodeConfig, autoregressive, forward_at
 from selfspec.engine.stats import Clock
+from selfspec.kernels.packed import packed_weights
+from selfspec.model.plan import SkipPlan
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 from selfspec.search.costs import time_heads
 

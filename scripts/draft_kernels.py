@@ -9,7 +9,7 @@ Two measurements, appended as one JSON line to --out:
   the kernels a draft could use: the prepacked bf16 copy decoding verifies with, int8 weight-only
   (``_weight_int8pack_mm``), int4 weight-only in groups of 32 and 128
   (``_weight_int4pack_mm_for_cpu``; the draft's ``weights: int8 | int4``), int4 in groups of 32 and 128
-  through our VNNI kernel (int8 activations: :mod:`selfspec.draft.vnni`, where it runs), and fbgemm's dynamic
+  through our VNNI kernel (int8 activations: :mod:`selfspec.kernels.vnni`, where it runs), and fbgemm's dynamic
   int8 (int8 weights per output row, activations quantized per call to 8 bits with one scale
   for the whole row: ``torch.ao.nn.quantized.dynamic.Linear``). Weights read per second, best of
   ``--reps``, kernels in rotating order.
@@ -31,11 +31,11 @@ from torch import nn
 
 from selfspec.assets.models import load_model
 from selfspec.cli.config import calibration_prompts
-from selfspec.draft import vnni
 from selfspec.draft.lowbit import LowPrecisionLinear, quantize, quantized_mm
-from selfspec.draft.packed import LinearWrapper, PackedLinear
-from selfspec.draft.wrap import wrap_descendants
 from selfspec.engine.decoding import DecodeConfig, autoregressive
+from selfspec.kernels import vnni
+from selfspec.kernels.packed import LinearWrapper, PackedLinear
+from selfspec.model.wrap import wrap_descendants
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
 # name -> (format, group size, kernel); int8 has one scale per row, so its group size goes unused

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from selfspec.draft.packed import PackedLinear
+from selfspec.kernels.packed import PackedLinear
 from selfspec.provenance import append_row, git_commit
 
 

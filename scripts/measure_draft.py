@@ -9,7 +9,7 @@ head (draft LM head tokens, 0 = full), ngram, copy (longest copy draft, 0 = k), 
 draft tree), branch (branch_below of a draft tree), nodes (tree node budget), rows (padded forward rows), k,
 adaptive (0|1), threshold.
 Prompts are the datasets' *calibration* samples (never the eval ones). AR and each setting
-run interleaved per prompt after a warm-up (selfspec.eval.harness); the ratio of total tokens/s is printed and
+run interleaved per prompt after a warm-up (selfspec.engine.harness); the ratio of total tokens/s is printed and
 appended as one JSON line to --out.
 """
 
@@ -24,7 +24,7 @@ from selfspec.assets.models import load_model
 from selfspec.cli.config import calibration_prompts
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.spec import DraftSpec
-from selfspec.eval.harness import interleaved, recording
+from selfspec.engine.harness import interleaved, recording
 from selfspec.provenance import append_row, git_commit
 from selfspec.search.retime import plan_runner
 

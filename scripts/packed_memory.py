@@ -43,7 +43,7 @@ def measure(model: str, mode: str, max_new_tokens: int) -> dict:
     from selfspec import DecodeConfig, SkipPlan
     from selfspec.assets.models import load_model
     from selfspec.cli.config import calibration_prompts
-    from selfspec.eval.harness import warm_up
+    from selfspec.engine.harness import warm_up
     from selfspec.eval.methods import build_method
     from selfspec.provenance import git_commit
 

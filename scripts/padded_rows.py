@@ -19,7 +19,7 @@ from selfspec.assets.models import load_model
 from selfspec.cli.config import calibration_prompts
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig
-from selfspec.eval.harness import interleaved, recording
+from selfspec.engine.harness import interleaved, recording
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 from selfspec.search.retime import plan_runner, spec_runner
 

@@ -22,13 +22,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from selfspec.assets.models import load_model
-from selfspec.draft.packed import packed_weights
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.draft.plan import SkipPlan
 from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
+from selfspec.kernels.packed import packed_weights
+from selfspec.model.plan import SkipPlan
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
 PRODUCTS = ("selfspec_vnni::int4_mm", "_weight_int4pack_mm_for_cpu")

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from selfspec.assets.models import load_model
-from selfspec.draft.arch import arch_of
 from selfspec.draft.lowbit import LowPrecisionLinear
 from selfspec.draft.path import DraftOptions
 from selfspec.draft.spec import DraftSpec
+from selfspec.model.arch import arch_of
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 from selfspec.search.pipeline import study_calibration
 from selfspec.search.simulate import RoundSimulator

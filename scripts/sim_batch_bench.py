@@ -25,7 +25,7 @@ import optuna
 import torch
 
 from selfspec.assets.models import load_model
-from selfspec.eval.harness import rotated
+from selfspec.engine.harness import rotated
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 from selfspec.search.pipeline import study_calibration
 from selfspec.search.simulate import RoundCounts, RoundSimulator

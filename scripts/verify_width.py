@@ -20,11 +20,11 @@ import torch
 
 from selfspec.assets.models import load_model
 from selfspec.cli.config import calibration_prompts
-from selfspec.draft.packed import kernels_label, packed_weights
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
 from selfspec.engine.tree import DraftTree, tree_attention_mask
+from selfspec.kernels.packed import kernels_label, packed_weights
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
 

@@ -14,7 +14,6 @@ runner, results, tables), :mod:`selfspec.assets` (packaged models and data),
 :mod:`selfspec.cli` (entry points; the only code importing hydra, omegaconf or wandb).
 """
 
-from selfspec.draft.plan import SkipPlan
 from selfspec.draft.skip import layer_skipper
 from selfspec.engine.decoding import (
     DecodeConfig,
@@ -25,6 +24,7 @@ from selfspec.engine.decoding import (
 from selfspec.engine.sampling import SamplingParams
 from selfspec.engine.stats import DecodeStats
 from selfspec.errors import AssetError, PlanError, SelfSpecError
+from selfspec.model.plan import SkipPlan
 
 __all__ = [
     "AssetError",

@@ -40,12 +40,12 @@ def machine_fingerprint() -> dict:
 
     The ISA (torch's CPU capability: AVX2, AVX512, ...) tells apart CPUs that report the same name
     (a virtual machine's "AMD EPYC" may be a Zen 3 with AVX2 or a Zen 4 with AVX-512), and with the
-    libraries it decides which kernels our loop runs on (:func:`~selfspec.draft.packed.pack_format`:
+    libraries it decides which kernels our loop runs on (:func:`~selfspec.kernels.packed.pack_format`:
     bf16 prepacking needs AVX-512; an AVX2 CPU gets fp16 copies, on our kernel or fbgemm's, or fp32 copies).
     """
     import torch
 
-    from selfspec.draft.packed import pack_label
+    from selfspec.kernels.packed import pack_label
 
     return {"cpu": cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "kernels": pack_label() or "stock",
             "int4_kernel": _int4_kernel(),
@@ -55,7 +55,8 @@ def machine_fingerprint() -> dict:
 def _int4_kernel() -> str:
     """Which int4 draft kernel runs here, and whether kept sublayers run fused, whole draft steps included (either
     changes a draft's cost; "fused sublayers" was the form before fused.FusedStep)."""
-    from selfspec.draft import fused, vnni
+    from selfspec.draft import fused
+    from selfspec.kernels import vnni
 
     if not vnni.available():
         return f"int4 ({vnni.unavailable_reason()})"

@@ -1,4 +1,4 @@
-"""Our fp16 panel kernel (selfspec.draft.fp16): the layout round trip, products against fp64 over the row counts and
+"""Our fp16 panel kernel (selfspec.kernels.fp16): the layout round trip, products against fp64 over the row counts and
 shapes its blocks split differently, and greedy decoding on it equal to the stock kernel's."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.draft import fp16
+from selfspec.kernels import fp16
 
 pytestmark = pytest.mark.skipif(not fp16.available(), reason="our fp16 kernel does not run here (see fp16.unavailable_reason)")
 

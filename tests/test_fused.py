@@ -5,10 +5,11 @@ import torch
 
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.assets.tiny import tiny_model
-from selfspec.draft import fused, vnni
+from selfspec.draft import fused
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
+from selfspec.kernels import vnni
 from tests.conftest import PROMPT
 
 pytestmark = pytest.mark.skipif(not vnni.available(), reason=f"VNNI int4 kernel: {vnni.unavailable_reason()}")

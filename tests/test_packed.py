@@ -13,12 +13,12 @@ import torch
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.assets.models import LoadedModel
 from selfspec.assets.tiny import tiny_model
-from selfspec.draft import packed as packed_module
 from selfspec.draft.lowbit import LowPrecisionLinear
-from selfspec.draft.packed import PackedLinear, packing_supported, weight_packer
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.errors import SelfSpecError
 from selfspec.eval.methods import build_method
+from selfspec.kernels import packed as packed_module
+from selfspec.kernels.packed import PackedLinear, packing_supported, weight_packer
 from tests.conftest import PROMPT
 
 needs_packing = pytest.mark.skipif(not packing_supported(), reason="this CPU's oneDNN cannot prepack bf16 weights "
@@ -351,8 +351,8 @@ def test_where_bf16_cannot_be_packed_forwards_of_three_rows_or_more_run_on_fp32_
 @pytest.mark.skipif(not packed_module._fbgemm_fp16(), reason="no fbgemm fp16 kernel in this torch build")
 @pytest.mark.parametrize("kernel", ["fbgemm", "panels"])
 def test_where_bf16_cannot_be_packed_but_fbgemm_runs_every_forward_uses_exact_fp16_copies(monkeypatch, capsys, kernel):
-    from selfspec.draft import fp16
     from selfspec.eval import records
+    from selfspec.kernels import fp16
     from selfspec.provenance import machine_fingerprint
 
     if kernel == "panels" and not fp16.available():

@@ -205,8 +205,8 @@ def test_a_method_variant_may_pad_its_own_forwards(lm):
 
 
 def test_speedups_pair_each_repetition_with_the_baselines_same_repetition():
+    from selfspec.engine.harness import paired_ratios, speedups
     from selfspec.engine.stats import DecodeStats
-    from selfspec.eval.harness import paired_ratios, speedups
 
     def rep(tokens_per_s: float, tpot: float) -> DecodeStats:
         return DecodeStats(method="m", requests=1, new_tokens=11, total_time=11 / tokens_per_s, ttft=11 / tokens_per_s
@@ -244,8 +244,8 @@ def test_the_console_table_keeps_long_variant_names_in_their_column(capsys):
 
 def test_interleaved_shows_a_bar_of_its_timed_runs_only_when_labelled(capsys):
     from selfspec.engine.decoding import Generation
+    from selfspec.engine.harness import interleaved
     from selfspec.engine.stats import DecodeStats
-    from selfspec.eval.harness import interleaved
 
     calls = []
 

@@ -1,14 +1,14 @@
-"""The VNNI int4 kernel (selfspec.draft.vnni): layout, numbers, choice, and exact drafts through it."""
+"""The VNNI int4 kernel (selfspec.kernels.vnni): layout, numbers, choice, and exact drafts through it."""
 
 import pytest
 import torch
 
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.assets.tiny import tiny_model
-from selfspec.draft import vnni
 from selfspec.draft.lowbit import LowPrecisionLinear, int4_kernel, quantize, quantized_mm
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.draft.wrap import wrap_descendants
+from selfspec.kernels import vnni
+from selfspec.model.wrap import wrap_descendants
 from tests.conftest import PROMPT
 
 needs_vnni = pytest.mark.skipif(not vnni.available(), reason=f"VNNI int4 kernel: {vnni.unavailable_reason()}")
@@ -90,7 +90,7 @@ def test_the_environment_variable_turns_the_kernel_off(monkeypatch):
 ])
 def test_the_fp16_kernel_loads_as_the_int4_one(monkeypatch, env, flags, reason):
     """Our fp16 kernel goes through the same loader: its switch, the CPU's flags, nothing built where it cannot run."""
-    from selfspec.draft import fp16
+    from selfspec.kernels import fp16
 
     built = []
     fp16._load_once.cache_clear()
@@ -269,7 +269,7 @@ def test_a_shared_input_changed_in_place_is_computed_again():
 
 
 def test_plain_attributes_are_set_without_module_checks_but_never_over_parameters():
-    from selfspec.draft.wrap import set_plain
+    from selfspec.model.wrap import set_plain
 
     lin = torch.nn.Linear(4, 4)
     set_plain(lin, active=True)
@@ -295,7 +295,7 @@ def test_a_build_stopped_midway_leaves_no_lock_that_blocks_the_next(tmp_path, mo
         "    pathlib.Path(build_directory, 'lock').write_text('')  # torch's baton, then the process dies\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "ext.load = stop\n"
-        "from selfspec.draft import vnni\n"
+        "from selfspec.kernels import vnni\n"
         "vnni.compile_extension(vnni.SOURCE, 'int4_vnni-test', [])\n")
     p = subprocess.run([sys.executable, "-c", killed_mid_build], env={**os.environ, "SELFSPEC_CACHE": str(tmp_path)},
                        capture_output=True, text=True, timeout=120)

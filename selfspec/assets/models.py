@@ -28,9 +28,9 @@ from selfspec.assets.fetch import (
     fetch_packaged_file,
     replace_dir,
 )
-from selfspec.draft.arch import num_layers
 from selfspec.errors import AssetError, SelfSpecError
 from selfspec.locks import check_writable, waiting
+from selfspec.model.arch import num_layers
 
 CONVERTED_MARK = "selfspec_model.json"
 

@@ -17,11 +17,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.assets.data import load_task_set
 from selfspec.assets.models import encode_prompt
-from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig
 from selfspec.engine.sampling import SamplingParams
 from selfspec.errors import SelfSpecError
+from selfspec.model.plan import SkipPlan
 from selfspec.search.pipeline import SearchSettings
 from selfspec.typed import typed
 

@@ -21,16 +21,17 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from selfspec import SelfSpecError, SkipPlan
 from selfspec.assets.data import TaskSet, load_task_set
 from selfspec.assets.models import load_model
 from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, decode_config, draft_options, plain
 from selfspec.cli.jobs import job_failed, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
 from selfspec.draft.spec import DraftSpec
+from selfspec.errors import SelfSpecError
 from selfspec.eval.methods import build_method, method_options, split_variant
 from selfspec.eval.records import summarize
 from selfspec.eval.runner import EvalSettings, evaluate
+from selfspec.model.plan import SkipPlan
 from selfspec.provenance import provenance
 
 TABLE_COLUMNS = ["sample_id", "method", "rep", "turns", "prompt_tokens", "new_tokens", "wall_time_s", "tokens_per_s",

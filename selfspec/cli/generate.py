@@ -15,13 +15,13 @@ from pathlib import Path
 
 from selfspec.assets.models import MODELS, encode_prompt, load_model
 from selfspec.cli.config import default_model
-from selfspec.cli.show import legend, pieces, render
-from selfspec.draft.plan import SkipPlan
+from selfspec.cli.show import legend, pieces, render, save_png
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig
+from selfspec.engine.harness import warm_up
 from selfspec.engine.sampling import SamplingParams
 from selfspec.errors import SelfSpecError
-from selfspec.eval.harness import warm_up
+from selfspec.model.plan import SkipPlan
 from selfspec.search.retime import plan_runner, spec_runner
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--show-sources", action="store_true",
                     help="mark each token of the answer by where it came from: copied, drafted and accepted, or the "
                          "verify pass's own (colours in a terminal, brackets elsewhere or with NO_COLOR set)")
+    ap.add_argument("--sources-png", metavar="PATH", help="also draw the answer so marked into a PNG file")
     return ap
 
 
@@ -115,6 +116,9 @@ def _run(args) -> int:
         print(render(pieces(lm.tokenizer, sp.tokens), sp.sources, color))
         print("-------------------------------")
         print(legend(sp.sources, color))
+    if args.sources_png:
+        save_png(pieces(lm.tokenizer, sp.tokens), sp.sources, args.sources_png)
+        print(f"{args.sources_png}: the answer with each token's source")
     else:
         print(lm.tokenizer.decode(sp.tokens, skip_special_tokens=True))
     print("-------------------------------")

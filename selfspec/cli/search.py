@@ -23,8 +23,8 @@ from selfspec.assets.models import load_model
 from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, plain, search_settings
 from selfspec.cli.jobs import job_failed, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
-from selfspec.draft import fp16, vnni
-from selfspec.draft.packed import pack_format
+from selfspec.kernels import fp16, vnni
+from selfspec.kernels.packed import pack_format
 from selfspec.search.pipeline import format_report, search
 
 

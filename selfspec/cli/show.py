@@ -48,3 +48,45 @@ def legend(sources: list[str], color: bool) -> str:
         sample = render([kind], [kind], color) if kind != "step" else "plain"
         parts.append(f"{sample} {NAMES[kind]}: {n}")
     return "   ".join(parts)
+
+
+SHORT = {"copy": "copied", "draft": "drafted, accepted", "verify": "verify pass", "step": "plain step"}
+FILL = {"copy": "#9ec5fe", "draft": "#a3e4a1", "verify": "#ffe08a", "step": None}  # the terminal's colours, lighter
+
+
+def save_png(texts: list[str], sources: list[str], path, width: int = 96) -> None:
+    """Draw the marked answer into a PNG at ``path``: a monospace grid ``width`` characters wide, each character on
+    its token's colour, and a legend line under it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    cells, row, col = [], 0, 0
+    for text, kind in zip(texts, sources):
+        for ch in text:
+            if ch == "\n" or col >= width:
+                row, col = row + 1, 0
+                if ch == "\n":
+                    continue
+            cells.append((row, col, ch, kind))
+            col += 1
+    rows = row + 3
+    fig = plt.figure(figsize=(width * 0.11, rows * 0.22), dpi=110)
+    ax = fig.add_axes([0, 0, 1, 1])
+    ax.set_xlim(0, width)
+    ax.set_ylim(rows, -0.5)
+    ax.axis("off")
+    for r, c, ch, kind in cells:
+        if FILL.get(kind):
+            ax.add_patch(Rectangle((c, r - 0.5), 1, 1, color=FILL[kind], linewidth=0))
+        ax.text(c + 0.5, r, ch, family="monospace", fontsize=9, ha="center", va="center")
+    x = 0.0
+    for kind in ("copy", "draft", "verify", "step"):
+        label = f" {SHORT[kind]}: {sources.count(kind)} "
+        ax.add_patch(Rectangle((x, rows - 1.5), len(label), 1, color=FILL[kind] or "#eeeeee", linewidth=0))
+        ax.text(x, rows - 1, label, family="monospace", fontsize=9, va="center")
+        x += len(label) + 2
+    fig.savefig(path)
+    plt.close(fig)

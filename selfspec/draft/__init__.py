@@ -1,1 +1,1 @@
-"""The draft: skip plans and sublayer skipping, low-precision kept weights, a cut head, copy drafting, packed weights."""
+"""The draft: sublayer skipping, low-precision kept weights, a cut head, copy drafting, fused draft steps, draft files."""

@@ -8,7 +8,7 @@ written into the :class:`~selfspec.engine.cache.PositionalKVCache` slots of the 
 slots before them, o_proj; a kept MLP sublayer likewise (gate/up stacked, SiLU, down). The norms, residuals and
 the head stay the model's own modules.
 
-It runs where the draft's copies of the sublayer all run on our int4 kernel (:mod:`selfspec.draft.vnni`, its AVX-512
+It runs where the draft's copies of the sublayer all run on our int4 kernel (:mod:`selfspec.kernels.vnni`, its AVX-512
 VNNI or its AVX2 build) and the sublayer is one this code computes: a Llama/Qwen2 attention without a sliding
 window, a head dimension a multiple of 32 and no o_proj bias; a SiLU MLP without biases. Anywhere else, and for any
 forward that is not a draft step on the positional cache, the module runs as loaded. The numbers differ from the
@@ -33,9 +33,9 @@ import os
 import torch
 from torch import nn
 
-from selfspec.draft import vnni
 from selfspec.draft.lowbit import LowPrecisionLinear
 from selfspec.engine.cache import PositionalKVCache
+from selfspec.kernels import vnni
 
 ENV = "SELFSPEC_FUSED_DRAFT"  # 0: draft through the modules
 STEP = "_selfspec_draft_step"  # the model instance's FusedStep while a path that has one drafts

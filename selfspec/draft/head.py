@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from selfspec.draft.lowbit import quantize, quantized_mm
-from selfspec.draft.wrap import set_plain
+from selfspec.model.wrap import set_plain
 
 
 class CutHead(nn.Module):

@@ -1,6 +1,6 @@
 """Weight-only quantized copies of linear layers, used while drafting.
 
-:class:`LowPrecisionLinear` wraps an ``nn.Linear`` (or its :class:`~selfspec.draft.packed.PackedLinear`)
+:class:`LowPrecisionLinear` wraps an ``nn.Linear`` (or its :class:`~selfspec.kernels.packed.PackedLinear`)
 of one model instance in place and keeps an int8 (one scale per output row,
 ``torch.ops.aten._weight_int8pack_mm``) or int4 (asymmetric groups of
 ``group_size`` along the input dimension, ``_weight_int4pack_mm_for_cpu``) copy
@@ -9,7 +9,7 @@ computes exactly what the wrapped one computes. Decode steps are bound by
 reading weights, so a half or a quarter of the bytes makes a draft step about
 that much cheaper.
 
-An int4 copy of a bf16 weight runs on :mod:`selfspec.draft.vnni` (int8 activations, integer products on
+An int4 copy of a bf16 weight runs on :mod:`selfspec.kernels.vnni` (int8 activations, integer products on
 AVX-512 VNNI, or AVX2 + FMA; the same int4 values in another layout) where that kernel runs and takes the shape, else on torch's
 kernel. Each copy carries the name of the kernel it was laid out for (:func:`quantize`).
 
@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from selfspec.draft import vnni
-from selfspec.draft.packed import LinearWrapper, PackedLinear
-from selfspec.draft.wrap import set_plain, wrap_descendants
 from selfspec.errors import SelfSpecError
+from selfspec.kernels import vnni
+from selfspec.kernels.packed import LinearWrapper, PackedLinear
+from selfspec.model.wrap import set_plain, wrap_descendants
 
 
 def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +57,7 @@ def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def int4_kernel(w: torch.Tensor, group: int) -> str:
-    """The kernel an int4 copy of ``w`` runs on: ``int4-vnni`` (:mod:`selfspec.draft.vnni`) for a bf16 CPU weight
+    """The kernel an int4 copy of ``w`` runs on: ``int4-vnni`` (:mod:`selfspec.kernels.vnni`) for a bf16 CPU weight
     it takes where it runs, else ``int4`` (torch's ``_weight_int4pack_mm_for_cpu``)."""
     if w.dtype == torch.bfloat16 and w.device.type == "cpu" and vnni.fits(w.shape[1], group) and vnni.available():
         return "int4-vnni"

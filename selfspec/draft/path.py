@@ -7,7 +7,7 @@ second model and without touching what verification computes:
 - ``weights: int8 | int4``: the linear layers of the *kept* sublayers get a
   weight-only quantized copy (int8 with one scale per output row, through
   ``torch.ops.aten._weight_int8pack_mm``; int4 with asymmetric groups of
-  ``group_size``, through :mod:`selfspec.draft.vnni` where the CPU has AVX-512
+  ``group_size``, through :mod:`selfspec.kernels.vnni` where the CPU has AVX-512
   VNNI, else ``_weight_int4pack_mm_for_cpu``) used only while drafting.
   Decode steps are memory-bound, so reading a half or a quarter of the bytes
   makes a draft step about that much cheaper. The copies are extra
@@ -48,10 +48,10 @@ from torch import nn
 from selfspec.draft import fused
 from selfspec.draft.head import CutHead
 from selfspec.draft.lowbit import LowPrecisionLinear, copy_key, wrap_linears
-from selfspec.draft.plan import SkipPlan
 from selfspec.draft.skip import layer_skipper
-from selfspec.draft.wrap import set_plain
 from selfspec.errors import SelfSpecError
+from selfspec.model.plan import SkipPlan
+from selfspec.model.wrap import set_plain
 
 WEIGHTS = ("model", "int8", "int4")
 

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from selfspec.draft.arch import Arch, arch_of
-from selfspec.draft.plan import SkipPlan
-from selfspec.draft.wrap import instance_state, set_plain, wrap_attr
+from selfspec.model.arch import Arch, arch_of
+from selfspec.model.plan import SkipPlan
+from selfspec.model.wrap import instance_state, set_plain, wrap_attr
 
 
 class SkippableSublayer(nn.Module):

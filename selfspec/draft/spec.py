@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.draft.path import DraftOptions
-from selfspec.draft.plan import PLAN_FORMAT, SkipPlan, read_json, write_json
 from selfspec.errors import PlanError, SelfSpecError
+from selfspec.model.plan import PLAN_FORMAT, SkipPlan, read_json, write_json
 
 DRAFT_FORMAT = "selfspec.draft/2"
 

@@ -26,8 +26,8 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from selfspec.draft.arch import num_layers
 from selfspec.errors import SelfSpecError
+from selfspec.model.arch import num_layers
 
 
 @functools.cache

@@ -27,9 +27,7 @@ import torch
 
 from selfspec.draft.copy import NGramIndex
 from selfspec.draft.fused import draft_step
-from selfspec.draft.packed import default_rows, packed_weights
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.draft.plan import SkipPlan
 from selfspec.engine.attention import ATTENTION, decode_attention
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.masks import causal_mask
@@ -43,6 +41,8 @@ from selfspec.engine.sampling import (
 from selfspec.engine.stats import Clock, DecodeStats
 from selfspec.engine.tree import DraftTree, tree_attention_mask
 from selfspec.errors import SelfSpecError
+from selfspec.kernels.packed import default_rows, packed_weights
+from selfspec.model.plan import SkipPlan
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class DecodeConfig:
     ``target_acceptance`` and down otherwise.
 
     ``packed_weights``: run the model's bf16 linears on copies prepacked for
-    oneDNN (:mod:`selfspec.draft.packed`; same tokens, faster steps, the copies'
+    oneDNN (:mod:`selfspec.kernels.packed`; same tokens, faster steps, the copies'
     memory extra); ignored where nothing can be packed. ``packed_only``: free
     the dense weights once packed, so packing adds no memory; the model then
     computes on the packed weights outside our loop too (same results), so
@@ -64,7 +64,7 @@ class DecodeConfig:
     ``rows``: every full-model forward of our loop over fewer tokens (a plain step, a short
     verify) is padded to this many rows (:func:`forward_at`): same tokens, and on CPU kernels
     that read the weights faster over a few rows than over one, faster steps. The default is
-    the CPU's (:func:`~selfspec.draft.packed.default_rows`): 6 where bf16 weights are packed,
+    the CPU's (:func:`~selfspec.kernels.packed.default_rows`): 6 where bf16 weights are packed,
     1 where extra rows cost (AVX2 CPUs). Draft steps stay
     one row (the int8/int4 draft kernels cost more per row).
 

@@ -14,7 +14,7 @@ included, at most ``max_new_tokens``). Greedy, or sampling with the run's temper
 transformers then verifies prompt lookup's guesses against a token it samples, and an assistant's
 (or early exit's) drafts by speculative sampling.
 
-Kernels: with ``packed=True`` the call runs inside :func:`~selfspec.draft.packed.packed_weights`
+Kernels: with ``packed=True`` the call runs inside :func:`~selfspec.kernels.packed.packed_weights`
 for the model (and an assistant model), so its linears run on the same prepacked
 oneDNN kernels as our methods; with ``packed=False`` on transformers' stock kernels.
 Either way the model attends as the run's ``attention`` says, as our methods do.
@@ -27,10 +27,10 @@ from contextlib import ExitStack
 import torch
 
 from selfspec.assets.models import LoadedModel
-from selfspec.draft.packed import packed_weights
 from selfspec.engine.attention import decode_attention
 from selfspec.engine.decoding import DecodeConfig, Generation
 from selfspec.engine.stats import Clock, DecodeStats
+from selfspec.kernels.packed import packed_weights
 
 
 class _Stamps:

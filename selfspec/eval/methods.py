@@ -16,9 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from selfspec.assets.models import LoadedModel, load_model
-from selfspec.draft.packed import kernels_label, weight_packer
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.draft.plan import SkipPlan
 from selfspec.engine.decoding import (
     DecodeConfig,
     Generation,
@@ -27,6 +25,8 @@ from selfspec.engine.decoding import (
 )
 from selfspec.errors import SelfSpecError
 from selfspec.eval.hf import hf_runner
+from selfspec.kernels.packed import kernels_label, weight_packer
+from selfspec.model.plan import SkipPlan
 from selfspec.typed import typed
 
 

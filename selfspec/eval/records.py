@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from selfspec.assets.data import Sample
-from selfspec.draft.packed import pack_format, pack_label
 from selfspec.engine.decoding import DecodeConfig, Generation
 from selfspec.engine.stats import DecodeStats
+from selfspec.kernels.packed import pack_format, pack_label
 
 
 def output_hash(tokens: list[int]) -> str:
@@ -137,9 +137,9 @@ def decode_record(cfg: DecodeConfig) -> dict:
     ``packed_weights`` and ``packed_only`` appear only when on, so runs recorded
     before they existed still resume: those made on the weights as loaded with
     ``decoding.packed_weights=false``, those with packed copies as they are. On a CPU
-    that cannot pack bf16 weights (:func:`~selfspec.draft.packed.pack_format`) the
+    that cannot pack bf16 weights (:func:`~selfspec.kernels.packed.pack_format`) the
     packing is recorded as it ran: ``packed_weights: fp16`` / ``fp32`` for the copies (``fp16 panels r1`` where our
-    fp16 kernel computed them, :func:`~selfspec.draft.packed.pack_label`), absent
+    fp16 kernel computed them, :func:`~selfspec.kernels.packed.pack_label`), absent
     with no oneDNN (the weights as loaded). Likewise ``rows``
     appears only when not 1, ``exact`` only when on, ``gate`` and ``gate_probe``
     only with the gate on, ``attention`` only when not ``sdpa`` (runs before it attended so).

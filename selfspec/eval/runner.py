@@ -30,9 +30,9 @@ from tqdm.auto import tqdm
 from selfspec.assets.data import Sample, TaskSet
 from selfspec.assets.models import LoadedModel, encode_chat
 from selfspec.engine.decoding import Generation, context_length
+from selfspec.engine.harness import rotated, warm_up
 from selfspec.engine.stats import DecodeStats
 from selfspec.errors import RunRefused, SelfSpecError
-from selfspec.eval.harness import rotated, warm_up
 from selfspec.eval.methods import Method
 from selfspec.eval.records import (
     decode_record,

@@ -130,7 +130,7 @@ def _kernels(fp: dict, method: str) -> str:
     """The kernels a method's linears ran on: ``packed`` (prepacked oneDNN weights), ``packed fp16`` / ``packed fp32``
     (fp16 / fp32 copies, on a CPU that cannot pack bf16) or ``stock``; ``+ decode attn`` where it attended through
     :mod:`selfspec.engine.attention` (runs before it recorded none: SDPA); ``+ int4-vnni draft`` where its draft's
-    int4 products ran on :mod:`selfspec.draft.vnni`, ``+ fused int4-vnni draft`` where its kept sublayers also ran
+    int4 products ran on :mod:`selfspec.kernels.vnni`, ``+ fused int4-vnni draft`` where its kept sublayers also ran
     as one call each (:mod:`selfspec.draft.fused`)."""
     decode = (fp.get("decode") or {}).get(method, {})
     extra = " + decode attn" if decode.get("attention") == "decode" else ""

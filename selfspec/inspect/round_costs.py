@@ -24,11 +24,11 @@ from pathlib import Path
 import optuna
 
 from selfspec.assets.models import load_model
-from selfspec.draft.packed import kernels_label
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig
+from selfspec.engine.harness import interleaved, paired_ratios, recording
 from selfspec.errors import SelfSpecError
-from selfspec.eval.harness import interleaved, paired_ratios, recording
+from selfspec.kernels.packed import kernels_label
 from selfspec.provenance import append_row, machine_fingerprint
 from selfspec.search.costs import CostModel, costs_for_drafts
 from selfspec.search.pipeline import skip_free, spread, study_calibration

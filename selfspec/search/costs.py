@@ -29,16 +29,16 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from selfspec.draft.arch import num_layers
-from selfspec.draft.packed import packed_weights
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import DecodeConfig, autoregressive, forward_at, self_speculative
+from selfspec.engine.harness import rotated
 from selfspec.engine.stats import Clock
-from selfspec.eval.harness import rotated
+from selfspec.kernels.packed import packed_weights
+from selfspec.model.arch import num_layers
+from selfspec.model.plan import SkipPlan
 from selfspec.provenance import machine_fingerprint
 from selfspec.search.simulate import RoundCounts
 

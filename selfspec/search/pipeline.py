@@ -25,11 +25,11 @@ from tqdm.auto import tqdm
 from selfspec.assets.data import PromptSet
 from selfspec.assets.models import LoadedModel, encode_prompt, load_model
 from selfspec.draft.path import DraftOptions
-from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig, autoregressive
 from selfspec.errors import SelfSpecError
 from selfspec.locks import check_writable
+from selfspec.model.plan import SkipPlan
 from selfspec.provenance import machine_fingerprint, provenance
 from selfspec.search.costs import COST_MODEL_VERSION, CostModel, head_format, measure_costs, weight_format
 from selfspec.search.retime import WallclockObjective, retime

@@ -1,6 +1,6 @@
 """Real runs for the search: the wall-clock objective and re-timing of the best drafts.
 
-Both go through the timing harness (:mod:`selfspec.eval.harness`): warm-up,
+Both go through the timing harness (:mod:`selfspec.engine.harness`): warm-up,
 autoregressive and each draft interleaved per prompt, medians over repetitions.
 """
 
@@ -10,10 +10,10 @@ from dataclasses import replace
 from statistics import median
 
 from selfspec.draft.path import DraftPath
-from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig, autoregressive, self_speculative
-from selfspec.eval.harness import Runner, interleaved, median_of, paired_ratios, recording, speedups
+from selfspec.engine.harness import Runner, interleaved, median_of, paired_ratios, recording, speedups
+from selfspec.model.plan import SkipPlan
 from selfspec.search.simulate import decode_config_of
 from selfspec.search.study import Evaluation
 

@@ -57,7 +57,6 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from selfspec.draft.copy import NGramIndex
-from selfspec.draft.packed import packed_weights
 from selfspec.draft.path import DraftPath
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.attention import decode_attention
@@ -65,6 +64,7 @@ from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.decoding import AdaptiveThreshold, DecodeConfig, forward_at
 from selfspec.engine.masks import layer_masks
 from selfspec.engine.tree import DraftTree
+from selfspec.kernels.packed import packed_weights
 
 
 @dataclass

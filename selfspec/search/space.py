@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field, replace
 import optuna
 
 from selfspec.draft.path import WEIGHTS, DraftOptions
-from selfspec.draft.plan import SkipPlan
 from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
+from selfspec.model.plan import SkipPlan
 
 # Generic drafts a study runs first (``search.anchors``), as value preferences per dimension: the first
 # preferred value the space holds, else the space's first. They are not tuned to a model: the first is

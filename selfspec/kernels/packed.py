@@ -26,7 +26,7 @@ for the first (a 6-row forward of the 1.5B ran 4.8x a one-row step there), which
 would make every verify pass as dear as several plain steps. There
 (:func:`pack_format` ``fp16``) each bf16 weight gets an fp16 copy, used for every input:
 the packed products read fp16 weights, accumulate in fp32 and are rounded back to
-bf16. Our kernel computes them where it builds (:mod:`selfspec.draft.fp16`: the copy in
+bf16. Our kernel computes them where it builds (:mod:`selfspec.kernels.fp16`: the copy in
 panels of 16 outputs, read once for all rows of a forward, so a 6-row verify of the 1.5B
 costs 1.05 one-row forwards); else fbgemm's (``torch.ops.quantized.linear_prepack_fp16``),
 which reads the weights again for every 6 rows (1.26 at 6 rows, 1.80 at 8:
@@ -63,8 +63,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from selfspec.draft import fp16
-from selfspec.draft.wrap import instance_state, wrap_descendants
+from selfspec.kernels import fp16
+from selfspec.model.wrap import instance_state, wrap_descendants
 
 
 @functools.cache
@@ -113,7 +113,7 @@ def pack_format() -> str | None:
 
 def fp16_kernel() -> str | None:
     """Which kernel computes the fp16 copies (where :func:`pack_format` is ``fp16``): ``panels r<n>`` (ours,
-    :mod:`selfspec.draft.fp16`: it reads the weights once for up to 16 rows) where it runs, else ``fbgemm``; None
+    :mod:`selfspec.kernels.fp16`: it reads the weights once for up to 16 rows) where it runs, else ``fbgemm``; None
     where the weights are not packed as fp16."""
     if pack_format() != "fp16":
         return None
@@ -196,7 +196,7 @@ class PackedLinear(LinearWrapper):
         wide = w.float() if self.kind in ("fp16", "fp32") else None  # converted once: the 1.5B's head is 0.9 GB in fp32
         if self.kind == "fp16" and not torch.equal(w.half().float(), wide):
             self.kind = "fp32"
-        self.panels = self.kind == "fp16" and fp16_kernel() != "fbgemm"  # our kernel's layout (selfspec.draft.fp16)
+        self.panels = self.kind == "fp16" and fp16_kernel() != "fbgemm"  # our kernel's layout (selfspec.kernels.fp16)
         if self.panels:
             self.packed = fp16.pack(w)
             self.bias32 = None if inner.bias is None else inner.bias.detach().float().contiguous()
@@ -307,7 +307,7 @@ class WeightPacker:
 def _say_unpacked() -> None:
     how = {
         "fp16": "packed forwards run on exact fp16 copies of the bf16 weights (their memory again), "
-                + ("in panels for our kernel (selfspec.draft.fp16)" if fp16_kernel() != "fbgemm" else
+                + ("in panels for our kernel (selfspec.kernels.fp16)" if fp16_kernel() != "fbgemm" else
                    f"prepacked for fbgemm (our fp16 kernel: {fp16.unavailable_reason()})"),
         "fp32": "packed forwards over 3 or more rows run on fp32 copies of the bf16 weights, prepacked for oneDNN "
                 "(twice their memory); 1-2 row steps on the stock bf16 kernel",

@@ -1,14 +1,14 @@
 """Our fp16 product for the packed forwards on AVX2 CPUs (``csrc/fp16_panels.cpp``).
 
 On a CPU that cannot prepack bf16 weights for oneDNN (AVX2 only, e.g. a Zen 3 EPYC), our loop's packed forwards run on
-exact fp16 copies of the bf16 weights (:mod:`selfspec.draft.packed`). fbgemm's fp16 kernel computes 6 rows at a time
+exact fp16 copies of the bf16 weights (:mod:`selfspec.kernels.packed`). fbgemm's fp16 kernel computes 6 rows at a time
 and reads every weight again for each further 6, so on a 2-core Zen 3 a 1.5B forward over 8 rows cost 2.3x one over a
 single row, and over 6 rows 1.45x (``scripts/verify_width.py``, docs/log.md). This kernel keeps the same fp16
 copies in panels of 16 outputs and reads each panel once for all rows of a call: a verify over 2-16 rows reads the
 weights about as fast as a plain step over one. The sums run in fp32 as fbgemm's do, in another order: the same
 numbers up to rounding.
 
-It is compiled on first use like the int4 kernel (:func:`selfspec.draft.vnni.compile_extension`, ~55 s on a
+It is compiled on first use like the int4 kernel (:func:`selfspec.kernels.vnni.compile_extension`, ~55 s on a
 2-core Zen 3) and needs AVX2, FMA and F16C. :func:`available` says whether it runs here;
 ``SELFSPEC_FP16_KERNEL=fbgemm`` keeps fbgemm's. The kernel that ran is recorded (``packed_weights`` in a run's
 decode settings, ``kernels`` in the machine fingerprint), so runs and cost models of the two never mix.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.draft import vnni
+from selfspec.kernels import vnni
 
 SOURCE = Path(__file__).parent / "csrc" / "fp16_panels.cpp"
 FLAGS = ("fma", "avx2", "f16c")

@@ -1,4 +1,4 @@
-// int4 weights x int8 activations: the draft's int4 products (selfspec/draft/vnni.py).
+// int4 weights x int8 activations: the draft's int4 products (selfspec/kernels/vnni.py).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] for bf16 x [M, K] and int4 w, where w = (q - 8) * scale + zero per group of G
 // inputs (the values torch's _weight_int4pack_mm_for_cpu computes with). x is rounded to int8 per block of 64

@@ -60,7 +60,7 @@ def arch_of(model: nn.Module) -> Arch:
     if model_type not in _SUBLAYERS:
         raise SelfSpecError(
             f"architecture {model_type!r} is not supported yet (supported: {', '.join(sorted(_SUBLAYERS))}); "
-            "add its sublayer names to selfspec/draft/arch.py"
+            "add its sublayer names to selfspec/model/arch.py"
         )
     attn, mlp = _SUBLAYERS[model_type]
     return Arch(model_type, _decoder_layers(model)[: num_layers(model)], attn, mlp)

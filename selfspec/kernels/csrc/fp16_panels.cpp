@@ -1,4 +1,4 @@
-// fp16 weights x fp32 activations for the verify's few rows: our loop's packed products on AVX2 (selfspec/draft/fp16.py).
+// fp16 weights x fp32 activations for the verify's few rows: our loop's packed products on AVX2 (selfspec/kernels/fp16.py).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] + bias[n] for x [M, K] (bf16 or fp32) and the exact fp16 copy of a bf16 weight,
 // laid out in panels of 16 outputs: w [P, K, 16] fp16, P = ceil(N / 16), panel p holding outputs 16p..16p+15 for each

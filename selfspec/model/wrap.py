@@ -6,7 +6,7 @@ of *that* model object by a wrapper that holds the original as ``inner``: no
 transformers class is patched, other instances are untouched, and wrapping
 twice finds the wrapper already there. The per-model owner of those wrappers
 (a :class:`~selfspec.draft.skip.LayerSkipper`, a
-:class:`~selfspec.draft.packed.WeightPacker`) lives in the instance's own
+:class:`~selfspec.kernels.packed.WeightPacker`) lives in the instance's own
 ``__dict__`` (:func:`instance_state`), not in a global.
 """
 
