@@ -32,7 +32,7 @@ from selfspec.eval.methods import build_method, method_options, split_variant
 from selfspec.eval.records import summarize
 from selfspec.eval.runner import EvalSettings, evaluate
 from selfspec.model.plan import SkipPlan
-from selfspec.provenance import provenance
+from selfspec.provenance import provenance, strict_json
 
 TABLE_COLUMNS = ["sample_id", "method", "rep", "turns", "prompt_tokens", "new_tokens", "wall_time_s", "tokens_per_s",
                  "ttft_s", "tpot_s", "rounds", "drafted", "accepted", "output_sha256"]
@@ -78,7 +78,7 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
                     on_sample=lambda new: logger.log({f"{r['method']}/tokens_per_s": r["tokens_per_s"] for r in new}),
                     on_accepted=lambda: _accepted(cfg, out_dir, logger, spec))
     summary = summarize(rows, cfg.baseline)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "summary.json").write_text(json.dumps(strict_json(summary), indent=2, allow_nan=False) + "\n")
     logger.table("samples", rows, TABLE_COLUMNS)
     logger.summary({f"{m}/{k}": v for m, s in summary.items() for k, v in s.items() if not isinstance(v, list)})
     return summary

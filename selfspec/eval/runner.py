@@ -42,7 +42,7 @@ from selfspec.eval.records import (
     skipped_samples,
 )
 from selfspec.locks import exclusive
-from selfspec.provenance import append_lines
+from selfspec.provenance import append_lines, strict_json
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings
     if old_header is None:
         head = {"type": "header", "fingerprint": fingerprint, "baseline": settings.baseline,
                 "extra_memory_bytes": {m.name: m.extra_memory_bytes for m in methods}, **header}
-        path.write_text(json.dumps(head) + "\n", encoding="utf-8")
+        path.write_text(json.dumps(strict_json(head), allow_nan=False) + "\n", encoding="utf-8")
     elif todo:
         total = len(samples) * settings.reps
         print(f"resuming {path}: {total - len(todo)} of {total} (sample, pass) pairs already done", file=sys.stderr)
@@ -169,6 +169,7 @@ def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings
         new_rows.sort(key=lambda r: names.index(r["method"]))
         for r in new_rows:
             r["peak_rss_bytes"] = _peak_rss_bytes()
+        new_rows = [strict_json(r) for r in new_rows]  # as the file holds them: no NaN (null instead)
         append_lines(path, new_rows)  # one write for the sample's rows
         rows.extend(new_rows)
         bar.set_postfix({short_name(r["method"]): f"{r['tokens_per_s']:.1f}t/s" for r in new_rows})

@@ -211,6 +211,11 @@ def to_latex(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _missing(v) -> bool:
+    """No value: None, or a float that is not finite (a CSV cell stays empty, for strict readers)."""
+    return v is None or (isinstance(v, float) and not math.isfinite(v))
+
+
 def to_csv(rows: list[dict]) -> str:
     buf = io.StringIO()
     cols = columns_of(rows)
@@ -220,12 +225,12 @@ def to_csv(rows: list[dict]) -> str:
     w.writeheader()
     for r in rows:
         ci = r.get("speedup_ci95") or ["", ""]
-        cells = {c: ("" if r.get(c) is None else " ".join(f"{x:.4f}" for x in r[c]) if c == "pass_speedups" else r[c])
+        cells = {c: ("" if _missing(r.get(c)) else " ".join(f"{x:.4f}" for x in r[c]) if c == "pass_speedups" else r[c])
                  for c in cols}
         if peer:
             lo, hi = r.get("over_peer_ci95") or ["", ""]
             cells.update(peer=r.get("peer", ""), over_peer_lo95=lo, over_peer_hi95=hi)
-        w.writerow({**cells, "speedup_lo95": ci[0], "speedup_hi95": ci[1]})
+        w.writerow({**cells, **{k: "" if _missing(v) else v for k, v in (("speedup_lo95", ci[0]), ("speedup_hi95", ci[1]))}})
     return buf.getvalue()
 
 
