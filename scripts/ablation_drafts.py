@@ -2,7 +2,7 @@
 
     python scripts/ablation_drafts.py <draft.json> --out <folder>
 
-Rows (``selfspec.search.pipeline.cumulative_variants``): the skip plan alone, + low-precision
+Rows (``selfspec.search.variants.cumulative_variants``): the skip plan alone, + low-precision
 weights, + cut head, + copy drafting, the searched draft (with its adaptive exit, if any), the searched draft
 with no sublayer skipped; a lever the searched draft does not use adds no row. Then
 ``python experiments/evaluate.py +experiment=ablation`` decodes the eval rows with each.
@@ -21,7 +21,7 @@ import argparse
 from pathlib import Path
 
 from selfspec.draft.spec import DraftSpec
-from selfspec.search.pipeline import cumulative_variants
+from selfspec.search.variants import cumulative_variants
 
 
 def main() -> None:

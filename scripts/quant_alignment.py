@@ -25,7 +25,7 @@ from selfspec.draft.path import DraftOptions
 from selfspec.draft.spec import DraftSpec
 from selfspec.model.arch import arch_of
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
-from selfspec.search.pipeline import study_calibration
+from selfspec.search.calibration import study_calibration
 from selfspec.search.simulate import RoundSimulator
 
 FORMATS = {"model": DraftOptions(), "int8": DraftOptions(weights="int8"),

@@ -15,13 +15,9 @@ runner, results, tables), :mod:`selfspec.assets` (packaged models and data),
 """
 
 from selfspec.draft.skip import layer_skipper
-from selfspec.engine.decoding import (
-    DecodeConfig,
-    Generation,
-    autoregressive,
-    self_speculative,
-)
+from selfspec.engine.decoding import DecodeConfig, Generation, autoregressive
 from selfspec.engine.sampling import SamplingParams
+from selfspec.engine.speculate import self_speculative
 from selfspec.engine.stats import DecodeStats
 from selfspec.errors import AssetError, PlanError, SelfSpecError
 from selfspec.model.plan import SkipPlan

@@ -5,7 +5,8 @@ import torch
 from selfspec import DecodeConfig, SkipPlan, layer_skipper
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
-from selfspec.engine.decoding import Request, Speculator
+from selfspec.engine.decoding import Request
+from selfspec.engine.speculate import Speculator
 from tests.conftest import PROMPT
 
 

@@ -5,8 +5,8 @@ import torch
 
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.engine.decoding import Speculator
 from selfspec.engine.sampling import SamplingParams
+from selfspec.engine.speculate import Speculator
 from tests.conftest import PROMPT
 
 N = 4  # layers of the tiny models

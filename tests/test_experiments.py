@@ -399,7 +399,7 @@ def test_the_tasks_mix_composes_from_the_four_sets():
 
 def test_the_search_re_times_and_checks_held_out_on_prompts_of_every_kind():
     from selfspec.cli.config import dataset_config
-    from selfspec.search.pipeline import spread
+    from selfspec.search.variants import spread
 
     assert spread(12, 4) == [0, 3, 6, 9] and spread(8, 2) == [0, 4] and spread(3, 5) == [0, 1, 2]
     assert spread(5, 0) == []

@@ -44,3 +44,9 @@ def test_no_import_runs_back_up():
     upward = [f"{name} imports {target}" for name, path in _modules() for target in _imports(path)
               if _package(target) != _package(name) and LEVEL.get(_package(target), 99) > LEVEL[_package(name)]]
     assert not upward, "\n".join(upward)
+
+
+def test_no_module_is_over_the_limit():
+    long = [f"{name}: {n} lines" for name, path in _modules()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > LIMIT]
+    assert not long, "\n".join(long)

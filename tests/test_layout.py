@@ -18,7 +18,7 @@ from selfspec.engine.decoding import DecodeConfig
 from selfspec.engine.sampling import SamplingParams
 from selfspec.eval.methods import OPTIONS
 from selfspec.eval.runner import EvalSettings
-from selfspec.search.pipeline import SearchSettings
+from selfspec.search.settings import SearchSettings
 from selfspec.typed import defaults, typed
 
 ROOT = Path(__file__).resolve().parent.parent

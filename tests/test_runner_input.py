@@ -12,7 +12,7 @@ from selfspec.cli.config import conf_dir
 from selfspec.eval.methods import build_method
 from selfspec.eval.records import summarize
 from selfspec.eval.runner import EvalSettings, evaluate, short_name
-from selfspec.search.pipeline import HeldoutSettings, RetimeSettings, SearchSettings
+from selfspec.search.settings import HeldoutSettings, RetimeSettings, SearchSettings
 
 
 @pytest.fixture(scope="module")

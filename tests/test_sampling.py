@@ -14,8 +14,8 @@ import torch
 from selfspec import DecodeConfig, SamplingParams, SkipPlan, self_speculative
 from selfspec.assets.tiny import tiny_model
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.engine.decoding import Speculator
 from selfspec.engine.sampling import probs_from_logits, sample, verify_greedy, verify_sampling
+from selfspec.engine.speculate import Speculator
 from selfspec.engine.tree import DraftTree
 
 ALPHA = 1e-6

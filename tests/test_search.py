@@ -73,7 +73,7 @@ def test_retime_hands_back_the_full_models_continuations(tiny, simulator):
 
 
 def test_the_report_says_why_held_out_prompts_ran_slower():
-    from selfspec.search.pipeline import SearchReport, format_report, heldout_gap
+    from selfspec.search.report import SearchReport, format_report, heldout_gap
 
     def report(held: dict) -> SearchReport:
         cal = {"acceptance": 0.66, "tokens_per_round": 3.3, "decode_speedup": 1.72, "speedup": 1.6}
@@ -96,7 +96,7 @@ def test_the_report_says_why_held_out_prompts_ran_slower():
 
 
 def test_the_report_says_where_the_time_went_past_its_target():
-    from selfspec.search.pipeline import SearchReport, format_report, time_over
+    from selfspec.search.report import SearchReport, format_report, time_over
 
     plan = SkipPlan(4, provenance={"machine": {"cpu": "AMD EPYC", "isa": "AVX2", "cores": 2}})
     r = SearchReport(DraftSpec(plan, k=2), 1.7, {}, {}, 100, 698.0, "p.json", "cost model measured",
@@ -114,7 +114,7 @@ def test_the_report_says_where_the_time_went_past_its_target():
 
 
 def test_the_report_says_when_the_cost_model_priced_the_rounds_too_cheap():
-    from selfspec.search.pipeline import SearchReport, format_report, prediction_gap
+    from selfspec.search.report import SearchReport, format_report, prediction_gap
 
     def report(predicted, measured, acceptance=0.93):
         return SearchReport(DraftSpec(SkipPlan(4), k=2), 3.0, {
@@ -133,7 +133,8 @@ def test_the_report_says_when_the_cost_model_priced_the_rounds_too_cheap():
 
 
 def test_the_final_stages_lose_repetitions_only_where_that_meets_the_time_target():
-    from selfspec.search.pipeline import FinalStages, SearchReport, SearchSettings, fit_final_stages, format_report
+    from selfspec.search.report import SearchReport, format_report
+    from selfspec.search.settings import FinalStages, SearchSettings, fit_final_stages
 
     # by default the held-out check runs 2 reps of 4 prompts x 128 tokens, the ablation 2 reps on 4 prompts x 32
     # one 32-token run takes 2 s: the held-out check 2 x 2 x 4 x 8 = 128 s, the ablation (AR + 6 variants)
@@ -200,8 +201,8 @@ def test_a_quantized_draft_head_is_priced_by_its_own_measurement():
 
 def test_the_cost_model_measures_quantized_heads_when_the_space_holds_them(tiny):
     from selfspec.provenance import machine_fingerprint
+    from selfspec.search.calibration import costs_fit
     from selfspec.search.costs import measure_costs
-    from selfspec.search.pipeline import _costs_fit
 
     space = SearchSpace(4, dims=DraftDims(weights=("model",), head_tokens=(0, 40), head_weights=("model", "int4"),
                                           group_size=(32,), k=(3,), ngram=(0,), copy_candidates=(1,),
@@ -209,14 +210,14 @@ def test_the_cost_model_measures_quantized_heads_when_the_space_holds_them(tiny)
     costs = measure_costs(tiny, PROMPTS[0] * 3, space.dims.formats(), [0, 40], space.dims.longest_verify, reps=1,
                           machine=machine_fingerprint(), head_formats=space.dims.head_formats())
     assert set(costs.head_low) == {"0/int4-g32", "40/int4-g32"} and set(costs.head) == {40}
-    assert _costs_fit({"costs": costs.to_dict()}, space)
+    assert costs_fit({"costs": costs.to_dict()}, space)
     older = {k: v for k, v in costs.to_dict().items() if k != "head_low"}
-    assert not _costs_fit({"costs": older}, space)  # a cost model made before: measured again, not guessed
-    assert _costs_fit({"costs": older}, SearchSpace(4, dims=replace(space.dims, head_weights=("model",))))
+    assert not costs_fit({"costs": older}, space)  # a cost model made before: measured again, not guessed
+    assert costs_fit({"costs": older}, SearchSpace(4, dims=replace(space.dims, head_weights=("model",))))
     # the loop's overheads: one draft-step overhead for every format, the adaptive exit's softmax timed alone
     assert costs.version == COST_MODEL_VERSION and {"plain_step", "draft_step", "verify"} <= set(costs.overhead)
     assert 0 < costs.overhead["adaptive_step"] < costs.t_full
-    assert not _costs_fit({"costs": {**costs.to_dict(), "version": COST_MODEL_VERSION - 1}}, space)
+    assert not costs_fit({"costs": {**costs.to_dict(), "version": COST_MODEL_VERSION - 1}}, space)
 
 
 def test_formats_of_a_cost_model_are_the_formats_its_keys_name():

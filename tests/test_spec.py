@@ -7,7 +7,7 @@ import pytest
 from selfspec import PlanError, SkipPlan
 from selfspec.draft.path import DraftOptions
 from selfspec.draft.spec import DraftSpec
-from selfspec.search.pipeline import ablation_variants, cumulative_variants
+from selfspec.search.variants import ablation_variants, cumulative_variants
 
 FULL = DraftSpec(SkipPlan(6, attn=(1, 3), mlp=(2,), model="m", provenance={"git_commit": "x"}),
                  DraftOptions(weights="int4", group_size=128, head_tokens=16384, ngram=3, copy_tokens=10),

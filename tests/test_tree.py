@@ -10,8 +10,9 @@ from selfspec.draft.copy import NGramIndex
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.cache import PositionalKVCache
-from selfspec.engine.decoding import Request, Speculator, forward_at
+from selfspec.engine.decoding import Request, forward_at
 from selfspec.engine.sampling import SamplingParams
+from selfspec.engine.speculate import Speculator
 from selfspec.engine.tree import DraftTree, tree_attention_mask
 
 N = 4

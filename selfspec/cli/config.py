@@ -22,7 +22,7 @@ from selfspec.engine.decoding import DecodeConfig
 from selfspec.engine.sampling import SamplingParams
 from selfspec.errors import SelfSpecError
 from selfspec.model.plan import SkipPlan
-from selfspec.search.pipeline import SearchSettings
+from selfspec.search.settings import SearchSettings
 from selfspec.typed import typed
 
 

@@ -25,7 +25,8 @@ from selfspec.cli.jobs import job_failed, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
 from selfspec.kernels import fp16, vnni
 from selfspec.kernels.packed import pack_format
-from selfspec.search.pipeline import format_report, search
+from selfspec.search.pipeline import search
+from selfspec.search.report import format_report
 
 
 def _logger(cfg: DictConfig) -> WandbLogger:

@@ -17,12 +17,8 @@ from typing import Any
 
 from selfspec.assets.models import LoadedModel, load_model
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.engine.decoding import (
-    DecodeConfig,
-    Generation,
-    autoregressive,
-    self_speculative,
-)
+from selfspec.engine.decoding import DecodeConfig, Generation, autoregressive
+from selfspec.engine.speculate import self_speculative
 from selfspec.errors import SelfSpecError
 from selfspec.eval.hf import hf_runner
 from selfspec.kernels.packed import kernels_label, weight_packer

@@ -19,8 +19,8 @@ import statistics
 import time
 
 from selfspec.provenance import append_row
+from selfspec.search.calibration import replay_study
 from selfspec.search.costs import formats_of, loop_overheads
-from selfspec.search.pipeline import replay_study
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,12 +30,13 @@ from selfspec.engine.harness import interleaved, paired_ratios, recording
 from selfspec.errors import SelfSpecError
 from selfspec.kernels.packed import kernels_label
 from selfspec.provenance import append_row, machine_fingerprint
+from selfspec.search.calibration import study_calibration
 from selfspec.search.costs import CostModel, costs_for_drafts
-from selfspec.search.pipeline import skip_free, spread, study_calibration
 from selfspec.search.retime import AR, plan_runner, spec_runner
 from selfspec.search.simulate import RoundSimulator
 from selfspec.search.space import SearchSpace
 from selfspec.search.study import top_drafts
+from selfspec.search.variants import skip_free, spread
 from selfspec.search.workers import open_storage
 
 PARTS = ("draft", "verify", "plain")

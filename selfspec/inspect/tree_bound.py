@@ -37,8 +37,8 @@ from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig, autoregressive
 from selfspec.errors import SelfSpecError
 from selfspec.provenance import append_row
+from selfspec.search.calibration import replay_study
 from selfspec.search.costs import costs_for_drafts
-from selfspec.search.pipeline import replay_study
 from selfspec.search.simulate import RoundSimulator
 
 ORACLE = "oracle"

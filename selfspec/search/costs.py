@@ -33,8 +33,9 @@ from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache
-from selfspec.engine.decoding import DecodeConfig, autoregressive, forward_at, self_speculative
+from selfspec.engine.decoding import DecodeConfig, autoregressive, forward_at
 from selfspec.engine.harness import rotated
+from selfspec.engine.speculate import self_speculative
 from selfspec.engine.stats import Clock
 from selfspec.kernels.packed import packed_weights
 from selfspec.model.arch import num_layers
@@ -311,7 +312,7 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
 
 def confidence_cost(model, reps: int = 31) -> float:
     """Seconds the adaptive exit adds to a draft step: the confidence of the drafted token, computed as the
-    decoding loop computes it (:meth:`~selfspec.engine.decoding.Speculator.draft`), on a vocabulary-sized row
+    decoding loop computes it (:meth:`~selfspec.engine.speculate.Speculator.draft`), on a vocabulary-sized row
     (median of ``reps``)."""
     head = model.get_output_embeddings()
     logits = torch.randn(head.weight.shape[0], dtype=head.weight.dtype, device=head.weight.device)

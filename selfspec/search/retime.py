@@ -11,8 +11,9 @@ from statistics import median
 
 from selfspec.draft.path import DraftPath
 from selfspec.draft.spec import DraftSpec
-from selfspec.engine.decoding import DecodeConfig, autoregressive, self_speculative
+from selfspec.engine.decoding import DecodeConfig, autoregressive
 from selfspec.engine.harness import Runner, interleaved, median_of, paired_ratios, recording, speedups
+from selfspec.engine.speculate import self_speculative
 from selfspec.model.plan import SkipPlan
 from selfspec.search.simulate import decode_config_of
 from selfspec.search.study import Evaluation

@@ -15,15 +15,15 @@ loop runs it:
   chunk, exactly what the draft sees in a real round while it agrees with the
   target. Accepted = leading agreements; the adaptive exit stops the draft after
   the first token drafted with probability under the threshold, which moves by
-  the loop's own rule (:class:`~selfspec.engine.decoding.AdaptiveThreshold`).
+  the loop's own rule (:class:`~selfspec.engine.speculate.AdaptiveThreshold`).
   All prompts' pending model rounds run as one batched forward; each chunk sits in
   scratch slots past every prompt's context, so the saved full-model keys/values are
-  never overwritten (:class:`_ChunkCache`).
+  never overwritten (:class:`ChunkCache`).
 - lazy rows: a chain's round needs the draft's outputs only up to its first miss (fixed
   ``k``) or its adaptive stop, and a row of a forward costs about as much as the forward
   itself once a batch holds more than a few (docs/log.md). So a chain's chunk is drafted
   one position a forward, its own keys/values kept in its prompt's scratch slots between
-  forwards, until the round is decided (:func:`_decided`); a tree's needs all ``k``.
+  forwards, until the round is decided (:func:`decided`); a tree's needs all ``k``.
 - draft trees (:mod:`selfspec.engine.tree`): a copy tree is the trie of the distinct
   continuations, accepted along ``c``; a model draft that branches adds the 2nd-best token
   beside each unsure position, and it is accepted where it is the token the draft got wrong;
@@ -49,188 +49,28 @@ acceptance is exact, its drafted length an estimate).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass, field, replace
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from selfspec.draft.copy import NGramIndex
 from selfspec.draft.path import DraftPath
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
-from selfspec.engine.decoding import AdaptiveThreshold, DecodeConfig, forward_at
+from selfspec.engine.decoding import DecodeConfig, forward_at
 from selfspec.engine.masks import layer_masks
+from selfspec.engine.speculate import AdaptiveThreshold
 from selfspec.engine.tree import DraftTree
 from selfspec.kernels.packed import packed_weights
-
-
-@dataclass
-class RoundCounts:
-    """What the rounds of some requests were made of (the first, prefill token not included)."""
-
-    tokens: int = 0  # tokens emitted by rounds and plain steps
-    plain_steps: int = 0
-    model_rounds: Counter = field(default_factory=Counter)  # tokens drafted by the model -> rounds
-    copy_rounds: Counter = field(default_factory=Counter)  # tokens copied from the context -> rounds
-    drafted: int = 0
-    accepted: int = 0
-    # rounds that verified a branching draft tree: (tokens drafted by the model, tree nodes) -> rounds
-    # (copy trees draft 0 tokens with the model); a tree's verify covers its nodes + 1 tokens
-    tree_rounds: Counter = field(default_factory=Counter)
-
-    @property
-    def rounds(self) -> int:
-        return sum(self.model_rounds.values()) + sum(self.copy_rounds.values()) + sum(self.tree_rounds.values())
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else float("nan")
-
-    @property
-    def tokens_per_round(self) -> float:
-        """Mean accepted length, the verify pass's own token included (as DecodeStats derives it)."""
-        return 1.0 + self.accepted / self.rounds if self.rounds else float("nan")
-
-    def add(self, other: RoundCounts) -> None:
-        self.tokens += other.tokens
-        self.plain_steps += other.plain_steps
-        self.model_rounds.update(other.model_rounds)
-        self.copy_rounds.update(other.copy_rounds)
-        self.tree_rounds.update(other.tree_rounds)
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-
-    def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "plain_steps": self.plain_steps, "drafted": self.drafted,
-                "accepted": self.accepted, "model_rounds": {str(k): v for k, v in sorted(self.model_rounds.items())},
-                "copy_rounds": {str(k): v for k, v in sorted(self.copy_rounds.items())},
-                "tree_rounds": {f"{m},{n}": v for (m, n), v in sorted(self.tree_rounds.items())}}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> RoundCounts:
-        trees = Counter({tuple(int(x) for x in k.split(",")): v for k, v in d.get("tree_rounds", {}).items()})
-        return cls(d["tokens"], d["plain_steps"], Counter({int(k): v for k, v in d["model_rounds"].items()}),
-                   Counter({int(k): v for k, v in d["copy_rounds"].items()}), d["drafted"], d["accepted"], trees)
-
-
-def forward_key(spec: DraftSpec) -> tuple:
-    """What the draft's forward depends on: its skips, the precision of its kept weights and its head.
-
-    Two drafts with the same key predict the same tokens with the same probabilities on the same
-    chunk; they may differ in ``k``, the adaptive exit, copy drafting and the tree options."""
-    o = spec.options
-    groups = o.group_size if "int4" in (o.weights, o.head_weights) else 0
-    return spec.plan.attn, spec.plan.mlp, o.weights, groups, o.head_tokens, o.head_weights
-
-
-@dataclass(frozen=True)
-class Drafted:
-    """What a round needs of the draft's teacher-forced logits over ``c[i:i+n]``, per chunk position:
-    the predicted token, its probability, and the 2nd-best token."""
-
-    pred: tuple[int, ...]
-    conf: tuple[float, ...]
-    second: tuple[int, ...]
-
-    def __len__(self) -> int:
-        return len(self.pred)
-
-    @classmethod
-    def of(cls, logits: torch.Tensor) -> Drafted:
-        """From the logits ``[n, V]`` of one round's chunk."""
-        logits = logits.float()
-        top = logits.topk(2, dim=-1)
-        conf = (top.values[:, 0] - logits.logsumexp(-1)).exp()
-        return cls(tuple(top.indices[:, 0].tolist()), tuple(conf.tolist()), tuple(top.indices[:, 1].tolist()))
-
-    def extended(self, more: Drafted, at: int) -> Drafted:
-        """These outputs up to position ``at``, then ``more`` (the positions from ``at`` on)."""
-        return Drafted(self.pred[:at] + more.pred, self.conf[:at] + more.conf, self.second[:at] + more.second)
-
-
-class _Chunk:
-    """What the next batched draft forward writes: its rows of the cache, the first scratch slot, and
-    where each row's new positions go past it (``place``'s ``offsets``, one per row, as ``scatter`` indices)."""
-
-    __slots__ = ("rows", "start", "scatter", "slots")
-
-    def __init__(self, start: int) -> None:
-        self.rows: slice | torch.Tensor = slice(None)
-        self.start = start
-        # None: every row writes at the first scratch slot; else (row index [n, 1], slot index [n, width])
-        self.scatter: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.slots = 0  # scratch slots the forward reads: its widest row's offset + its width
-
-    def place(self, rows: slice | torch.Tensor, offsets: list[int], width: int, device) -> None:
-        """Built once a forward, not once a layer: the rows (a bounded slice or an index tensor), and where each
-        row's new positions go."""
-        self.rows = rows
-        self.slots = max(offsets) + width
-        if not any(offsets):
-            self.scatter = None
-            return
-        index = torch.arange(rows.start, rows.stop, device=device) if isinstance(rows, slice) else rows
-        start = torch.tensor(offsets, device=device) + self.start
-        self.scatter = index[:, None], start[:, None] + torch.arange(width, device=device)[None, :]
-
-
-class _ChunkLayer(CacheLayerMixin):
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, chunk: _Chunk, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()
-        self.chunk, self.keys, self.values = chunk, keys, values
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise RuntimeError("the simulator's cache is allocated up front")
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        chunk = self.chunk
-        rows, a = chunk.rows, chunk.start  # rows: a slice (a view) or an index tensor (a copy)
-        if chunk.scatter is None:
-            width = key_states.shape[-2]
-            self.keys[rows, :, a : a + width] = key_states
-            self.values[rows, :, a : a + width] = value_states
-        else:  # each row's new positions after the ones it already holds
-            index, slots = chunk.scatter
-            self.keys[index, :, slots] = key_states.transpose(1, 2)
-            self.values[index, :, slots] = value_states.transpose(1, 2)
-        end = a + chunk.slots
-        return self.keys[rows, :, :end], self.values[rows, :, :end]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.chunk.start + self.chunk.slots, 0
-
-    def get_seq_length(self) -> int:
-        return self.chunk.start
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[-2]
-
-
-class _ChunkCache(Cache):
-    """The full model's keys/values of every calibration prompt, one batch row each, plus scratch slots.
-
-    Row ``b`` holds prompt ``b``'s full-model keys/values at slots = positions ``0 .. len-1``. A
-    batched draft forward writes each row's chunk into the same scratch slots ``start ..`` (past
-    every row's context) and attends, by its mask, to its own context below the round's first
-    position and to its own chunk: the context slots are never overwritten, so nothing is restored.
-    """
-
-    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> None:
-        self.chunk = _Chunk(start)
-        super().__init__(layers=[_ChunkLayer(self.chunk, k, v) for k, v in layers])
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.chunk.start
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.chunk.start + self.chunk.slots, 0
+from selfspec.search.chunks import ChunkCache
+from selfspec.search.rounds import (
+    Drafted,
+    RoundCounts,
+    decided,
+    forward_key,
+    model_round,
+)
 
 
 class RoundSimulator:
@@ -269,7 +109,7 @@ class RoundSimulator:
                 for (keys, values), lay in zip(layers, cache.layers):
                     keys[b, :, : len(seq)] = lay.keys[0, :, : len(seq)]
                     values[b, :, : len(seq)] = lay.values[0, :, : len(seq)]
-        self.cache = _ChunkCache(layers, self.scratch) if layers else None
+        self.cache = ChunkCache(layers, self.scratch) if layers else None
         # forward_key -> (prompt, i) -> the draft's outputs over the longest chunk run from c[i]
         self.memo: dict[tuple, dict[tuple[int, int], Drafted]] = {}
         self.forwards = 0  # chunks (rows of batched draft forwards) run so far
@@ -409,7 +249,7 @@ class RoundSimulator:
         """The rounds of one prompt, as the loop runs them; yields ``(i, k, lazy)`` for each model-drafted
         round and is sent the draft's outputs over the first positions of ``c[i:i+k]`` (:class:`Drafted`); it
         yields the same round again while those do not decide it (all ``k`` positions, or with ``lazy`` a
-        chain's first miss or adaptive stop, :func:`_decided`)."""
+        chain's first miss or adaptive stop, :func:`decided`)."""
         prompt, c = self.prompts[index], self.continuations[index]
         P, L = len(prompt), len(c)
         out = RoundCounts()
@@ -456,9 +296,9 @@ class RoundSimulator:
                 else:
                     lazy = self.lazy and not branch and not copies
                     drafted_out = yield i, k, lazy
-                    while not _decided(drafted_out, c, i, k, threshold, lazy):
+                    while not decided(drafted_out, c, i, k, threshold, lazy):
                         drafted_out = yield i, k, lazy
-                    modelled, accepted, nodes, depth = _model_round(
+                    modelled, accepted, nodes, depth = model_round(
                         drafted_out, c, i, k, threshold, branch, opts.tree_nodes, copies)
                 if oracle:
                     accepted = depth
@@ -473,59 +313,3 @@ class RoundSimulator:
             out.tokens += accepted + 1
             i += accepted + 1
         return out
-
-
-def _decided(out: Drafted, c: list[int], i: int, k: int, threshold: AdaptiveThreshold, lazy: bool) -> bool:
-    """Whether the draft's outputs over the first positions of ``c[i:i+k]`` decide the round: all ``k`` of
-    them, or for a chain (``lazy``) its adaptive stop, or, drafting a fixed ``k``, its first miss."""
-    n = min(len(out), k)
-    if n == k:
-        return True
-    if not lazy:
-        return False
-    if threshold.on:
-        return any(threshold.stops_after(p) for p in out.conf[:n])
-    return any(a != b for a, b in zip(out.pred[:n], c[i + 1 : i + 1 + n]))
-
-
-def _model_round(out: Drafted, c: list[int], i: int, k: int, threshold: AdaptiveThreshold,
-                 branch: float = 0.0, budget: int = 0, copies: list[list[int]] = ()) -> tuple[int, int, int, int]:
-    """Drafted, accepted, tree nodes and depth of a model-drafted round from the draft's teacher-forced
-    outputs ``out`` over ``c[i:i+k]`` (nodes > drafted where it branched: the 2nd-best token beside each draft
-    position whose top probability is under ``branch``, then the ``copies`` of shorter matches, under the
-    node budget as the engine adds them).
-
-    The draft's tokens are teacher-forced: exact up to its first miss, which is all acceptance needs.
-    Past the miss the real draft's branches and tokens may differ, so where the node budget binds the
-    node count of a tree with copies may differ from the real one's by a few."""
-    pred, conf, second = out.pred[:k], out.conf[:k], out.second[:k]
-    drafted = k
-    if threshold.on:
-        drafted = next((j + 1 for j in range(k) if threshold.stops_after(conf[j])), k)
-    accepted = _leading_agreements(pred[:drafted], c[i + 1 : i + 1 + drafted])
-    alternates = [j for j in range(drafted) if conf[j] < branch][: max(budget - drafted, 0)] if branch else []
-    if not copies:
-        if accepted < drafted and accepted in alternates and second[accepted] == c[i + 1 + accepted]:
-            accepted += 1  # the 2nd-best leaf beside the first wrong draft is the target's token
-        return drafted, accepted, drafted + len(alternates), drafted
-    t = DraftTree(c[i], budget)
-    nodes = t.add_path(pred[:drafted], "model")
-    for j in alternates:
-        t.add_path([second[j]], "model#2", parent=nodes[j - 1] if j else 0)
-    for cont in copies:
-        t.add_path(cont, "copy")
-    return drafted, len(t.accept_greedy_along(c[i + 1 :])), t.drafted, t.max_depth
-
-
-def _leading_agreements(draft: list[int], target: list[int]) -> int:
-    n = 0
-    for a, b in zip(draft, target):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
-def decode_config_of(spec: DraftSpec, base: DecodeConfig) -> DecodeConfig:
-    """``base`` with the draft's length policy (k, adaptive exit, threshold)."""
-    return replace(base, k=spec.k, adaptive=spec.adaptive, threshold=spec.threshold)
