@@ -28,7 +28,8 @@ from selfspec.assets.models import load_model
 from selfspec.engine.harness import rotated
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 from selfspec.search.calibration import study_calibration
-from selfspec.search.simulate import RoundCounts, RoundSimulator
+from selfspec.search.rounds import RoundCounts
+from selfspec.search.simulate import RoundSimulator
 from selfspec.search.space import SearchSpace
 from selfspec.search.workers import open_storage
 

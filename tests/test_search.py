@@ -21,7 +21,8 @@ from selfspec.draft.path import DraftOptions
 from selfspec.draft.spec import DraftSpec
 from selfspec.search import workers
 from selfspec.search.costs import COST_MODEL_VERSION, CostModel, SublayerCosts, formats_of, weight_format
-from selfspec.search.simulate import RoundCounts, RoundSimulator
+from selfspec.search.rounds import RoundCounts
+from selfspec.search.simulate import RoundSimulator
 from selfspec.search.space import DraftDims, SearchSpace
 from selfspec.search.study import (
     Evaluation,

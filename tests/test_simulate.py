@@ -8,7 +8,8 @@ import torch
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.spec import DraftSpec
-from selfspec.search.simulate import RoundCounts, RoundSimulator, decode_config_of
+from selfspec.search.rounds import RoundCounts, decode_config_of
+from selfspec.search.simulate import RoundSimulator
 from tests.conftest import PROMPT
 
 N_LAYERS = 4
@@ -112,7 +113,7 @@ def sum_counts(parts) -> RoundCounts:
 
 
 def test_counts_round_trip():
-    from selfspec.search.simulate import RoundCounts
+    from selfspec.search.rounds import RoundCounts
 
     c = RoundCounts(10, 1, {2: 3}, {5: 1}, 11, 6, {(0, 7): 2, (3, 5): 1})
     assert RoundCounts.from_dict(c.to_dict()) == c

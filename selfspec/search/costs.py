@@ -41,7 +41,7 @@ from selfspec.kernels.packed import packed_weights
 from selfspec.model.arch import num_layers
 from selfspec.model.plan import SkipPlan
 from selfspec.provenance import machine_fingerprint
-from selfspec.search.simulate import RoundCounts
+from selfspec.search.rounds import RoundCounts
 
 # The way costs are measured; a saved cost model of another version is measured again. 2: each draft path
 # puts its own weight format and head in place while it drafts (version 1 timed every low-precision format

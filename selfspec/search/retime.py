@@ -15,7 +15,7 @@ from selfspec.engine.decoding import DecodeConfig, autoregressive
 from selfspec.engine.harness import Runner, interleaved, median_of, paired_ratios, recording, speedups
 from selfspec.engine.speculate import self_speculative
 from selfspec.model.plan import SkipPlan
-from selfspec.search.simulate import decode_config_of
+from selfspec.search.rounds import decode_config_of
 from selfspec.search.study import Evaluation
 
 AR = "autoregressive"

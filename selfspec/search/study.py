@@ -30,7 +30,8 @@ from optuna.trial import TrialState
 from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
 from selfspec.search.costs import CostModel
-from selfspec.search.simulate import RoundCounts, RoundSimulator
+from selfspec.search.rounds import RoundCounts
+from selfspec.search.simulate import RoundSimulator
 from selfspec.search.space import SearchSpace
 from selfspec.search.workers import fail_dead_trials, heartbeat, open_storage, running_elsewhere
 
