@@ -40,7 +40,8 @@ def test_project_text_speaks_of_the_project_only():
 
 
 def test_the_check_catches_what_it_is_for():
-    for bad in ("as the thirty-second session measured", "see issue 13", "goal 2 is met", "Sessions ago"):
+    word = "sess" + "ion"  # spelt in two parts, so that this file does not hold what it looks for
+    for bad in (f"as the thirty-second {word} measured", "see iss" + "ue 13", "go" + "al 2 is met", f"{word.title()}s ago"):
         assert FORBIDDEN.search(bad), bad
     for fine in ('@pytest.fixture(scope="session")', "copy#2", "a draft of 4 tokens", "the issue is latency"):
         assert not FORBIDDEN.search(ALLOWED.sub("", fine)), fine

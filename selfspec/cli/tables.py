@@ -12,18 +12,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from selfspec.cli.config import conf_dir
 from selfspec.eval.figures import write_figures
 from selfspec.eval.headline import update_readme
 from selfspec.eval.tables import load_runs, methods_overview, write_methods_overview, write_tables
 
-CONF = Path(__file__).resolve().parent.parent.parent / "conf"
-
 
 def _command(name: str) -> str | None:
     """The command that reproduces experiment ``name``, where a config of that name exists."""
-    for conf in (CONF, Path("conf")):
-        if (conf / "experiment" / f"{name}.yaml").is_file():
-            return f"python experiments/evaluate.py +experiment={name} logger=none"
+    if (conf_dir() / "experiment" / f"{name}.yaml").is_file():
+        return f"python experiments/evaluate.py +experiment={name} logger=none"
     return None
 
 
