@@ -7,7 +7,7 @@ from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.assets.tiny import tiny_model
 from selfspec.draft.lowbit import LowPrecisionLinear, int4_kernel, quantize, quantized_mm
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.kernels import vnni
+from selfspec.kernels import reset_kernels, vnni
 from selfspec.model.wrap import wrap_descendants
 from tests.conftest import PROMPT
 
@@ -72,7 +72,7 @@ def test_int4_copies_of_bf16_weights_that_fit_take_the_vnni_kernel():
 
 
 def test_the_environment_variable_turns_the_kernel_off(monkeypatch):
-    vnni._load_once.cache_clear()
+    reset_kernels()
     monkeypatch.setenv(vnni.ENV, "aten")
     try:
         assert not vnni.available() and vnni.ENV in vnni.unavailable_reason()
@@ -81,7 +81,7 @@ def test_the_environment_variable_turns_the_kernel_off(monkeypatch):
             vnni.mm(torch.zeros(1, 128, dtype=torch.bfloat16), torch.zeros(4, 64, dtype=torch.uint8),
                     torch.zeros(4, 1, 2, dtype=torch.bfloat16), 128)
     finally:
-        vnni._load_once.cache_clear()
+        reset_kernels()
 
 
 @pytest.mark.parametrize("env, flags, reason", [
@@ -93,7 +93,7 @@ def test_the_fp16_kernel_loads_as_the_int4_one(monkeypatch, env, flags, reason):
     from selfspec.kernels import fp16
 
     built = []
-    fp16._load_once.cache_clear()
+    reset_kernels()
     monkeypatch.setenv(fp16.ENV, env)
     monkeypatch.setattr(vnni.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(vnni, "cpu_flags", lambda: set(flags))
@@ -103,7 +103,7 @@ def test_the_fp16_kernel_loads_as_the_int4_one(monkeypatch, env, flags, reason):
         with pytest.raises(RuntimeError, match="does not run here"):
             fp16.linear(torch.zeros(1, 16), torch.zeros(1, 16, 16, dtype=torch.float16), None, 16)
     finally:
-        fp16._load_once.cache_clear()
+        reset_kernels()
 
 
 @pytest.mark.parametrize("flags, build", [
@@ -116,7 +116,7 @@ def test_the_fp16_kernel_loads_as_the_int4_one(monkeypatch, env, flags, reason):
 def test_the_build_follows_the_cpu_flags(monkeypatch, flags, build):
     """The best build the CPU runs (compiling is replaced: only the choice is under test); none without AVX2 + FMA."""
     built = []
-    vnni._load_once.cache_clear()
+    reset_kernels()
     monkeypatch.delenv(vnni.ENV, raising=False)
     monkeypatch.setattr(vnni.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(vnni, "cpu_flags", lambda: set(flags))
@@ -130,7 +130,7 @@ def test_the_build_follows_the_cpu_flags(monkeypatch, flags, build):
             needs, cflags = vnni.BUILDS[name]
             assert {f"-m{f.replace('_', '')}" for f in needs} == set(cflags)
     finally:
-        vnni._load_once.cache_clear()
+        reset_kernels()
 
 
 def test_a_background_build_runs_once_and_callers_wait_for_it(monkeypatch):
@@ -145,7 +145,7 @@ def test_a_background_build_runs_once_and_callers_wait_for_it(monkeypatch):
         assert release.wait(10)
         return "kernel"
 
-    vnni._load_once.cache_clear()
+    reset_kernels()
     monkeypatch.delenv(vnni.ENV, raising=False)
     monkeypatch.setattr(vnni.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(vnni, "cpu_flags", lambda: {"fma", "avx2"})
@@ -164,7 +164,7 @@ def test_a_background_build_runs_once_and_callers_wait_for_it(monkeypatch):
         assert answers == ["avx2"] and built == ["avx2"] and vnni.available()
     finally:
         release.set()
-        vnni._load_once.cache_clear()
+        reset_kernels()
 
 
 @pytest.mark.parametrize("build, label", [("avx512-vnni", "int4-vnni"), ("avx2", "int4-vnni on avx2 r3")])

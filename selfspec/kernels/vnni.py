@@ -98,6 +98,12 @@ class LazyKernel:
         with self._lock:
             return self._load_once()
 
+    def reset(self) -> None:
+        """Forget what was loaded: the next :meth:`load` chooses and builds again (after the environment or the CPU
+        flags it reads changed)."""
+        with self._lock:
+            self._load_once.cache_clear()
+
     def build_in_background(self, name: str) -> threading.Thread:
         thread = threading.Thread(target=self.load, name=name, daemon=True)
         thread.start()
