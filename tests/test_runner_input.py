@@ -109,10 +109,26 @@ def test_zero_new_tokens_is_refused_before_anything_is_written(lm, tasks, tmp_pa
     assert not (tmp_path / "s.jsonl").exists()
 
 
-@pytest.mark.parametrize("n", [0, -1])
-def test_n_samples_must_be_positive(tmp_path, n):
-    with pytest.raises(SelfSpecError, match="n_samples must be >= 1"):
+@pytest.mark.parametrize("n", [0, -1, "abc", 1.5, True])
+def test_n_samples_must_be_a_positive_integer(tmp_path, n):
+    with pytest.raises(SelfSpecError, match=r"n_samples must be an integer >= 1 \(or null for all\), got"):
         EvalSettings(tmp_path / "s.jsonl", n_samples=n)
+
+
+@pytest.mark.parametrize("w", [-1, "abc", 2.5])
+def test_warmup_tokens_must_be_an_integer(tmp_path, w):
+    with pytest.raises(SelfSpecError, match="warmup_tokens must be an integer >= 0, got"):
+        EvalSettings(tmp_path / "s.jsonl", warmup_tokens=w)
+
+
+def test_the_runs_seed_seeds_sampling_and_is_what_the_record_says():
+    from hydra import compose, initialize_config_dir
+
+    from selfspec.cli.config import decode_config
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        assert decode_config(compose(config_name="evaluate", overrides=["seed=3"]), 8, None).seed == 3
+        assert decode_config(compose(config_name="evaluate", overrides=["seed=3", "decoding.seed=5"]), 8, None).seed == 5
 
 
 def test_an_unknown_method_option_is_one_clear_error(lm):

@@ -70,7 +70,7 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
     built = [build_method(m, lm, dcfg, plans.get(m), chosen[m]) for m in methods]
     resolved = plain(cfg)
     header = {"provenance": provenance({"config": resolved, "model_source": lm.source}),
-              "model": lm.name, "dataset": tasks.name, "dtype": lm.info.get("dtype"), "seed": cfg.seed,
+              "model": lm.name, "dataset": tasks.name, "dtype": lm.info.get("dtype"), "seed": cfg.decoding.seed,
               "split": cfg.split}
     settings = EvalSettings(out_path=out_dir / "samples.jsonl", baseline=cfg.baseline, n_samples=cfg.n_samples,
                             warmup_tokens=cfg.warmup_tokens, reps=cfg.reps)

@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    if args.max_new_tokens < 1:
+        raise SelfSpecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     lm = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
     if args.skip_attn or args.skip_mlp:
         plan = SkipPlan(lm.num_layers, parse_layers(args.skip_attn), parse_layers(args.skip_mlp), model=args.model)

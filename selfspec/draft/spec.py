@@ -22,6 +22,8 @@ from selfspec.errors import PlanError, SelfSpecError
 from selfspec.model.plan import PLAN_FORMAT, SkipPlan, read_json, write_json
 
 DRAFT_FORMAT = "selfspec.draft/2"
+DRAFT_KEYS = frozenset({"format", "model", "num_layers", "attn", "mlp", "options", "k", "adaptive", "threshold",
+                        "measured", "provenance"})  # the fields of a draft file (DraftSpec.to_dict)
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,13 @@ class DraftSpec:
         if fmt != DRAFT_FORMAT:
             raise PlanError(f"{where} is not a selfspec draft (format {fmt!r}, expected {DRAFT_FORMAT!r} "
                             f"or {PLAN_FORMAT!r})")
+        unknown = sorted(set(data) - DRAFT_KEYS)
+        if unknown:
+            import difflib
+
+            hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, DRAFT_KEYS, 1))
+                     else repr(k) for k in unknown]
+            raise PlanError(f"{where}: unknown field(s) {', '.join(hints)}; a draft holds {', '.join(sorted(DRAFT_KEYS))}")
         options = data.get("options") or {}
         if not isinstance(options, dict):
             raise PlanError(f"{where}: options must be an object, got {options!r}")

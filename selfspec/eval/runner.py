@@ -54,12 +54,16 @@ class EvalSettings:
     reps: int = 1  # passes over the samples, interleaved (see the module's docstring)
 
     def __post_init__(self) -> None:
-        if isinstance(self.reps, bool) or not isinstance(self.reps, int) or self.reps < 1:
-            raise SelfSpecError(f"reps must be an integer >= 1, got {self.reps!r}")
-        if self.n_samples is not None and (isinstance(self.n_samples, bool) or self.n_samples < 1):
-            raise SelfSpecError(f"n_samples must be >= 1 (or null for all), got {self.n_samples!r}")
-        if self.warmup_tokens < 0:
-            raise SelfSpecError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
+        _integer("reps", self.reps, 1)
+        if self.n_samples is not None:
+            _integer("n_samples", self.n_samples, 1, " (or null for all)")
+        _integer("warmup_tokens", self.warmup_tokens, 0)
+
+
+def _integer(name: str, value, lowest: int, note: str = "") -> None:
+    """Refuse anything but an integer >= ``lowest`` (a string, a float, a bool) in one line naming the setting."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+        raise SelfSpecError(f"{name} must be an integer >= {lowest}{note}, got {value!r}")
 
 
 def run_sample(method: Method, lm: LoadedModel, sample: Sample) -> tuple[Generation, list[str]]:
