@@ -562,3 +562,23 @@ def test_search_importance_csv_orders_ties_by_name(tmp_path):
 
     path = _importance_csv({"s": {"mlp_4": 0.03081, "attn_1": 0.030799, "k": 0.5, "attn_0": 0.001}}, tmp_path / "i.csv")
     assert [r.split(",")[1] for r in path.read_text().splitlines()[1:]] == ["k", "attn_1", "mlp_4", "attn_0"]
+
+
+def test_a_run_with_many_long_overrides_gets_a_short_folder(tmp_path, tiny_plan):
+    """The run folder is named from the overrides; past what a file system allows it is their start and a hash,
+    and the overrides stay whole in the folder's config record."""
+    from selfspec.cli.config import short_folder_name
+
+    long = [f"decoding.{key}=0.{'0' * 50}{i}" for i, key in enumerate(["threshold_step", "target_acceptance"])]
+    long += [f"decoding.{key}={'1' * 40}" for key in ("fallback_min_rounds", "gate_probe")]
+    long += ["decoding.top_p=0.99999999999999999999999999999999999999", "decoding.seed=1234567890123456789012345678"]
+    assert len(",".join(long)) > 255  # one name longer than a file system allows
+    p = _evaluate("model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", "n_samples=1", "name=x",
+                  "decoding.max_new_tokens=4", *long, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (folder,) = [f.parent for f in (tmp_path / "results/runs/x/tiny-llama/tiny").glob("*/samples.jsonl")]
+    assert folder.name == short_folder_name(folder.name) and len(folder.name) == 96
+    assert folder.name.startswith("decoding.fallback_min_rounds=111")  # readable: the overrides' start
+    record = (folder / ".hydra" / "overrides.yaml").read_text()
+    assert all(o in record for o in long)  # the whole overrides, in the folder's config record
+    assert short_folder_name("decoding.k=2") == "decoding.k=2"

@@ -10,6 +10,7 @@ sets reaches the library as a frozen dataclass built by
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import yaml
@@ -24,6 +25,17 @@ from selfspec.errors import SelfSpecError
 from selfspec.model.plan import SkipPlan
 from selfspec.search.settings import SearchSettings
 from selfspec.typed import typed
+
+
+def short_folder_name(text: str, limit: int = 96) -> str:
+    """``text`` as one folder name of at most ``limit`` characters: itself when it fits, else its start and a hash
+    of the whole (a run's overrides can be longer than a file system allows; they stay whole in its config record)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 13]}-{hashlib.sha1(text.encode('utf-8')).hexdigest()[:12]}"
+
+
+OmegaConf.register_new_resolver("selfspec.short", short_folder_name, replace=True)  # used by conf/evaluate.yaml
 
 
 def conf_dir() -> Path:
