@@ -121,14 +121,18 @@ def test_warmup_tokens_must_be_an_integer(tmp_path, w):
         EvalSettings(tmp_path / "s.jsonl", warmup_tokens=w)
 
 
-def test_the_runs_seed_seeds_sampling_and_is_what_the_record_says():
+def test_an_evaluation_has_one_seed_the_one_that_seeds_sampling():
+    """`seed=` would be recorded without changing a draw: an evaluation has only decoding.seed, which the record
+    names."""
     from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
 
     from selfspec.cli.config import decode_config
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        assert decode_config(compose(config_name="evaluate", overrides=["seed=3"]), 8, None).seed == 3
-        assert decode_config(compose(config_name="evaluate", overrides=["seed=3", "decoding.seed=5"]), 8, None).seed == 5
+        assert decode_config(compose(config_name="evaluate", overrides=["decoding.seed=5"]), 8, None).seed == 5
+        with pytest.raises(ConfigCompositionException, match="seed"):
+            compose(config_name="evaluate", overrides=["seed=3"])
 
 
 def test_an_unknown_method_option_is_one_clear_error(lm):
