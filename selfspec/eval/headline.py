@@ -11,17 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
+from selfspec.eval.tables import speedup_text
 
 BEGIN, END = "<!-- headline: begin (python -m selfspec.tables --readme) -->", "<!-- headline: end -->"
 SETS = ["humaneval", "gsm8k", "mtbench", "summarization"]
 SHOWN = {"autoregressive": None, "self_speculative": "searched draft", "self_speculative-skiponly": "layer skip only",
          "hf_prompt_lookup-n5": "prompt lookup", "hf_assisted-n8": "assisted (0.5B)"}
-
-
-def _x(v: float | None, ci: list | None = None) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.2f}x" + (f" ±{(ci[1] - ci[0]) / 2:.2f}" if ci else "")
 
 
 def headline_table(rows: list[dict]) -> str:
@@ -37,13 +32,14 @@ def headline_table(rows: list[dict]) -> str:
                 if sp.get("over_peer") else "-")
         lines.append("| " + " | ".join([
             "unseen prompt kinds" if d == "unseen" else d, f"{ar['tokens_per_s']:.2f}",
-            *(_x(cell[(d, m)]["speedup"], cell[(d, m)].get("speedup_ci95")) if (d, m) in cell else "-" for m in methods),
+            *(speedup_text(cell[(d, m)]["speedup"], cell[(d, m)].get("speedup_ci95")) if (d, m) in cell else "-"
+              for m in methods),
             f"{sp['greedy_match']:.2f}" if sp.get("greedy_match") is not None else "-", peer]) + " |")
         if d == SETS[-1] and all((s, "autoregressive") in cell for s in SETS):
             means = [sum(cell[(s, m)]["speedup"] for s in SETS) / len(SETS)
                      if all((s, m) in cell for s in SETS) else None for m in methods]
-            lines.append("| **mean of the four** | | " + " | ".join(f"**{_x(v)}**" if v else "-" for v in means)
-                         + " | | |")
+            cells = [f"**{speedup_text(v)}**" if v is not None else "-" for v in means]
+            lines.append("| **mean of the four** | | " + " | ".join(cells) + " | | |")
     return "\n".join(lines) + "\n"
 
 

@@ -107,7 +107,7 @@ def repair_torn_tail(path: Path, methods: list[str] | None = None) -> int:
     cut = int(end < len(data))
     if methods:
         lines = data[:end].splitlines(keepends=True)
-        group, start = None, end
+        group, start, seen = None, end, set()
         for line in reversed(lines):
             try:
                 row = json.loads(line)
@@ -116,8 +116,8 @@ def repair_torn_tail(path: Path, methods: list[str] | None = None) -> int:
             if row.get("type") != "sample" or group not in (None, row_key(row)):
                 break
             group, start = row_key(row), start - len(line)
-            methods_seen = {json.loads(x).get("method") for x in data[start:end].splitlines()}
-            if set(methods) <= methods_seen:  # the last sample is whole: nothing more to cut
+            seen.add(row.get("method"))
+            if set(methods) <= seen:  # the last sample is whole: nothing more to cut
                 start = end
                 break
         if start < end:

@@ -145,18 +145,19 @@ def _kernels(fp: dict, method: str) -> str:
     return (f"packed {packed}" if isinstance(packed, str) else "packed" if packed else "stock") + extra
 
 
-def _speedup(r: dict) -> str:
-    ci = r.get("speedup_ci95")
-    text = _fmt("speedup", r["speedup"])
-    if ci and not any(math.isnan(x) for x in ci):
-        text += f" ±{(ci[1] - ci[0]) / 2:.2f}"  # half the width of the 95% paired-bootstrap interval
+def speedup_text(speedup: float | None, ci: list | None = None) -> str:
+    """A speedup as the tables print it: ``2.41x``, then ``±`` half the width of its 95% paired-bootstrap interval
+    where it has one."""
+    text = _fmt("speedup", speedup)
+    if ci and not any(_missing(x) for x in ci):
+        text += f" ±{(ci[1] - ci[0]) / 2:.2f}"
     return text
 
 
 def _cell(r: dict, key: str) -> str:
     """A table row's column as printed (the speedup with its interval)."""
     if key == "speedup":
-        return _speedup(r)
+        return speedup_text(r["speedup"], r.get("speedup_ci95"))
     if key == "over_peer":
         if r.get("over_peer") is None:
             return "-"
@@ -175,7 +176,7 @@ def columns_of(rows: list[dict]) -> list[str]:
 
 
 def _fmt(key: str, v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
+    if _missing(v):
         return "-"
     if key == "pass_speedups":  # each pass's speedup, lowest to highest
         return f"{min(v):.2f}-{max(v):.2f}x" if v else "-"
@@ -237,8 +238,8 @@ def to_csv(rows: list[dict]) -> str:
 def provenance_lines(name: str, runs: list[Run], command: str | None = None) -> list[str]:
     """What a table's reader needs to trust and redo it: the command, the model, commits, dates and CPUs of its runs."""
     provs = [r.header.get("provenance") or {} for r in runs]
-    commits = sorted({(p.get("git_commit") or "unknown")[:7] + ("-dirty" if str(p.get("git_commit", "")).endswith("dirty")
-                                                                 else "") for p in provs})
+    shas = [p.get("git_commit") or "unknown" for p in provs]
+    commits = sorted({sha[:7] + ("-dirty" if sha.endswith("-dirty") else "") for sha in shas})
     dates = sorted({(p.get("time") or "unknown")[:10] for p in provs})
     cpus = sorted({", ".join(str(m.get(k)) for k in ("cpu", "isa", "kernels", "int4_kernel") if m.get(k))
                    + (f", {m['cores']} cores" if m.get("cores") else "")
