@@ -138,3 +138,53 @@ def test_wheel_ships_the_configs(tmp_path):
                          env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert Path(out.stdout.strip()) == target / "selfspec" / "conf"
+
+
+def _literal_defaults() -> dict[str, list[tuple[str, object]]]:
+    """Every literal default in the library: dataclass fields and keyword defaults of functions, by name."""
+    found: dict[str, list[tuple[str, object]]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        where = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            pairs = []
+            if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+                pairs = [(s.target.id, s.value) for s in node.body
+                         if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name) and s.value is not None]
+                owner = node.name
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                positional = a.posonlyargs + a.args
+                pairs = [(arg.arg, d) for arg, d in zip(positional[len(positional) - len(a.defaults):], a.defaults)]
+                pairs += [(arg.arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+                owner = f"{node.name}()"
+            for name, value in pairs:
+                if isinstance(value, ast.Constant):
+                    found.setdefault(name, []).append((f"{where}:{owner}", value.value))
+    return found
+
+
+# settings of another meaning that share a name and a default with one of ours
+OWN_MEANING = {"seed": "a tiny model's weights and the bootstrap's resampling have seeds of their own"}
+
+
+def test_no_default_of_the_options_or_settings_is_written_twice_in_the_library():
+    """A default of DraftOptions, DecodeConfig or SearchSettings is one literal: any other dataclass field or
+    keyword default of the same name and value reads it from its owner instead of repeating it."""
+    found = _literal_defaults()
+    repeated = []
+    for cls in (DraftOptions, DecodeConfig, SearchSettings):
+        for name, value in defaults(cls).items():
+            if name in OWN_MEANING or isinstance(value, (dict, list)):
+                continue
+            copies = [where for where, v in found.get(name, []) if v == value and type(v) is type(value)]
+            if len(copies) > 1:
+                repeated.append(f"{name}={value!r}: {', '.join(copies)}")
+    assert not repeated, repeated
+
+
+def test_the_draft_length_policy_has_one_default():
+    """k, the adaptive exit and its threshold: the draft file's defaults are the decoding loop's."""
+    from selfspec.draft.spec import LENGTH, DraftSpec
+    from selfspec.model.plan import SkipPlan
+
+    assert DraftSpec(SkipPlan(2)).length == {name: getattr(DecodeConfig(), name) for name in LENGTH}

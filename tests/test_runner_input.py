@@ -283,3 +283,15 @@ def test_interleaved_shows_a_bar_of_its_timed_runs_only_when_labelled(capsys):
     assert "re-timing" in err and "12/12" in err
     interleaved(runs, [[1]], warmup_tokens=0)
     assert capsys.readouterr().err == ""
+
+
+def test_build_method_takes_typed_options_and_refuses_another_methods(lm):
+    from selfspec.draft.path import DraftOptions
+    from selfspec.eval.methods import PromptLookupOptions
+
+    cfg = DecodeConfig(max_new_tokens=4)
+    m = build_method("self_speculative", lm, cfg, SkipPlan(lm.num_layers, model=lm.name), DraftOptions(weights="int8"),
+                     decoding={"k": 2})
+    assert m.cfg.k == 2
+    with pytest.raises(SelfSpecError, match="takes DraftOptions, got PromptLookupOptions"):
+        build_method("self_speculative", lm, cfg, None, PromptLookupOptions())

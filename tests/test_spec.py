@@ -110,3 +110,15 @@ def test_a_copy_only_draft_is_ablated_against_the_model_draft(tmp_path):
     cumulative = dict(cumulative_variants(only))
     assert cumulative["skip_only"].options == DraftOptions()  # the model's own draft, with nothing skipped
     assert not cumulative["plus_copy"].options.model_draft and not cumulative["plus_copy"].options.tree
+
+
+def test_draft_options_own_the_copy_limit_the_longest_verify_and_the_group():
+    from selfspec.draft.path import DraftOptions
+
+    assert DraftOptions().copy_limit(5) == 5 and DraftOptions(ngram=3, copy_tokens=8).copy_limit(5) == 8
+    assert DraftOptions().longest_verify(4) == 4  # no copying: the copy limit does not count
+    assert DraftOptions(ngram=3, copy_tokens=8).longest_verify(4) == 8
+    assert DraftOptions(ngram=3).longest_verify(4) == 4  # copies as long as k
+    assert DraftOptions(ngram=3, copy_candidates=2, tree_nodes=12).longest_verify(4) == 12
+    o = DraftOptions(weights="int4", group_size=64, head_weights="int8")
+    assert (o.group_for(o.weights), o.group_for(o.head_weights), o.group_for("model")) == (64, 0, 0)

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.assets.data import load_task_set
 from selfspec.assets.models import encode_prompt
+from selfspec.draft.path import DraftOptions
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.decoding import DecodeConfig
 from selfspec.engine.sampling import SamplingParams
@@ -123,16 +124,12 @@ def decode_config(cfg: DictConfig, dataset_max_new: int, spec: DraftSpec | None)
     if d.get("rows", 0) is None:
         del d["rows"]  # the CPU's (DecodeConfig's default)
     policy = spec or DraftSpec(SkipPlan(1))
-    for key in ("k", "adaptive", "threshold"):
+    for key, value in policy.length.items():
         if d.get(key) is None:
-            d[key] = getattr(policy, key)
+            d[key] = value
     return typed(DecodeConfig, {**d, "sampling": sampling}, "decoding")
 
 
-def draft_options(spec: DraftSpec, overrides: dict | None, where: str = "method_options.self_speculative") -> dict:
+def draft_options(spec: DraftSpec, overrides: dict | None, where: str = "method_options.self_speculative") -> DraftOptions:
     """The draft file's options with the keys a config sets (``method_options.self_speculative``) on top."""
-    known = dataclasses.asdict(spec.options)
-    unknown = sorted(set(overrides or {}) - set(known))
-    if unknown:
-        raise SelfSpecError(f"unknown key {', '.join(unknown)} in {where}; known: {', '.join(known)}")
-    return {**known, **(overrides or {})}
+    return typed(DraftOptions, {**dataclasses.asdict(spec.options), **(overrides or {})}, where)

@@ -26,7 +26,7 @@ from selfspec.assets.models import load_model
 from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, decode_config, draft_options, plain
 from selfspec.cli.jobs import job_failed, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
-from selfspec.draft.spec import DraftSpec
+from selfspec.draft.spec import LENGTH, DraftSpec
 from selfspec.errors import SelfSpecError
 from selfspec.eval.methods import build_method, method_options, split_variant
 from selfspec.eval.records import summarize
@@ -55,19 +55,19 @@ def run(cfg: DictConfig, out_dir: Path, logger: WandbLogger) -> dict:
     uses_run_draft = any(m not in own_drafts for m in ours)
     spec = _load_draft(cfg.plan, lm, cfg.model.name) if uses_run_draft else None
     dcfg = decode_config(cfg, tasks.max_new_tokens, spec)
-    plans = {}
+    plans, decodings = {}, {}
     for m in ours:
         own = chosen[m]
         decoding = own.pop("decoding", None)  # per-method decoding settings (build_method checks them)
         if m in own_drafts:  # a variant with a draft file of its own: its plan, options and length policy
             mine = _load_draft(own_drafts[m], lm, cfg.model.name, f"method_options.{m}.draft")
             policy = decode_config(cfg, tasks.max_new_tokens, mine)
-            decoding = {**{key: getattr(policy, key) for key in ("k", "adaptive", "threshold")}, **(decoding or {})}
+            decoding = {**{key: getattr(policy, key) for key in LENGTH}, **(decoding or {})}
         else:
             mine = spec
         plans[m] = mine.plan
-        chosen[m] = {**draft_options(mine, own, f"method_options.{m}"), **({"decoding": decoding} if decoding else {})}
-    built = [build_method(m, lm, dcfg, plans.get(m), chosen[m]) for m in methods]
+        chosen[m], decodings[m] = draft_options(mine, own, f"method_options.{m}"), decoding
+    built = [build_method(m, lm, dcfg, plans.get(m), chosen[m], decodings.get(m)) for m in methods]
     resolved = plain(cfg)
     header = {"provenance": provenance({"config": resolved, "model_source": lm.source}),
               "model": lm.name, "dataset": tasks.name, "dtype": lm.info.get("dtype"), "seed": cfg.decoding.seed,

@@ -54,6 +54,10 @@ from selfspec.model.plan import SkipPlan
 from selfspec.model.wrap import set_plain
 
 WEIGHTS = ("model", "int8", "int4")
+# the draft-length policy's defaults, read by the draft file (DraftSpec) and the decoding loop (DecodeConfig)
+DEFAULT_K = 4  # draft tokens per round
+DEFAULT_ADAPTIVE = False  # the adaptive exit: stop drafting after a token the draft is unsure of
+DEFAULT_THRESHOLD = 0.5  # the adaptive exit's starting threshold
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,19 @@ class DraftOptions:
             raise SelfSpecError("model_draft=false drafts by copying only: it needs copy drafting (ngram >= 1)")
         if "int4" in (self.weights, self.head_weights) and self.group_size not in (32, 64, 128, 256):
             raise SelfSpecError(f"int4 group_size must be 32, 64, 128 or 256, got {self.group_size}")
+
+    def copy_limit(self, k: int) -> int:
+        """The longest copy draft of a round drafting ``k`` tokens: ``copy_tokens``, or k where it is 0."""
+        return self.copy_tokens or k
+
+    def longest_verify(self, k: int) -> int:
+        """The most drafted tokens one verify forward checks with draft length ``k``: the model draft's k, a copy
+        (with copy drafting) or a tree's nodes (with trees), whichever is longest; the forward adds the pending token."""
+        return max(k, self.copy_limit(k) if self.ngram else 0, self.tree_nodes if self.tree else 0)
+
+    def group_for(self, fmt: str) -> int:
+        """The quantization group of a weight format: ``group_size`` for int4, 0 (per row) for int8 and model."""
+        return self.group_size if fmt == "int4" else 0
 
     @property
     def plain(self) -> bool:

@@ -17,22 +17,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from selfspec.draft.path import DraftOptions
+from selfspec.draft.path import DEFAULT_ADAPTIVE, DEFAULT_K, DEFAULT_THRESHOLD, DraftOptions
 from selfspec.errors import PlanError, SelfSpecError
 from selfspec.model.plan import PLAN_FORMAT, SkipPlan, read_json, write_json
 
 DRAFT_FORMAT = "selfspec.draft/2"
 DRAFT_KEYS = frozenset({"format", "model", "num_layers", "attn", "mlp", "options", "k", "adaptive", "threshold",
                         "measured", "provenance"})  # the fields of a draft file (DraftSpec.to_dict)
+LENGTH = ("k", "adaptive", "threshold")  # the draft-length policy: a draft file's, a run's decoding settings override it
 
 
 @dataclass(frozen=True)
 class DraftSpec:
     plan: SkipPlan
     options: DraftOptions = field(default_factory=DraftOptions)
-    k: int = 4
-    adaptive: bool = False
-    threshold: float = 0.5
+    k: int = DEFAULT_K
+    adaptive: bool = DEFAULT_ADAPTIVE
+    threshold: float = DEFAULT_THRESHOLD
     measured: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -44,17 +45,22 @@ class DraftSpec:
             raise PlanError(f"threshold must be a number in [0, 1), got {self.threshold!r}")
 
     @property
+    def length(self) -> dict[str, Any]:
+        """The draft-length policy as the decoding loop takes it (:data:`LENGTH` of ``DecodeConfig``)."""
+        return {name: getattr(self, name) for name in LENGTH}
+
+    @property
     def key(self) -> tuple:
         """What makes two drafts the same draft (not what was measured)."""
         o = self.options
-        key = (self.plan.attn, self.plan.mlp, o.weights, o.group_size if o.weights == "int4" else 0,
+        key = (self.plan.attn, self.plan.mlp, o.weights, o.group_for(o.weights),
                o.head_tokens, o.ngram, o.copy_tokens if o.ngram else 0, self.k, self.adaptive,
                round(self.threshold, 3) if self.adaptive else None,
                (o.copy_candidates if o.ngram else 1, round(o.branch_below, 3), o.tree_nodes, o.copy_fallback)
                if o.tree else None)
         # options added later join only when set, so the keys of older drafts stay as they were
         if o.head_weights != "model":
-            key += (o.head_weights, o.group_size if o.head_weights == "int4" else 0)
+            key += (o.head_weights, o.group_for(o.head_weights))
         if o.ngram and o.min_ngram:
             key += (("min_ngram", o.min_ngram),)
         if not o.model_draft:
@@ -131,7 +137,7 @@ class DraftSpec:
             raise PlanError(f"{where}: provenance must be an object, got {type(provenance).__name__}")
         try:
             plan = SkipPlan.from_dict({**data, "format": PLAN_FORMAT, "provenance": provenance})
-            return cls(plan, DraftOptions(**options), k=data.get("k", cls.k), adaptive=data.get("adaptive", False),
+            return cls(plan, DraftOptions(**options), k=data.get("k", cls.k), adaptive=data.get("adaptive", cls.adaptive),
                        threshold=data.get("threshold", cls.threshold), measured=dict(data.get("measured") or {}))
         except TypeError as e:
             raise PlanError(f"{where}: {e}") from None

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.draft.fused import draft_step
+from selfspec.draft.path import DEFAULT_ADAPTIVE, DEFAULT_K, DEFAULT_THRESHOLD
 from selfspec.engine.attention import ATTENTION, decode_attention
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.masks import causal_mask
@@ -88,9 +89,9 @@ class DecodeConfig:
     """
 
     max_new_tokens: int = 128
-    k: int = 4
-    adaptive: bool = False
-    threshold: float = 0.5
+    k: int = DEFAULT_K
+    adaptive: bool = DEFAULT_ADAPTIVE
+    threshold: float = DEFAULT_THRESHOLD
     threshold_step: float = 0.05
     target_acceptance: float = 0.7
     fallback: bool = True

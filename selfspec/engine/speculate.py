@@ -147,7 +147,7 @@ class Speculator:
         found = []
         if self.ngram is not None:
             self.ngram.extend(run.out[len(self.ngram.tokens) - run.prompt.numel():])
-            found = self.ngram.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates)
+            found = self.ngram.propose_many(min(opts.copy_limit(k), room), opts.copy_candidates)
         for rank, cont in enumerate(found, 1):
             tree.add_path(cont, f"copy#{rank}")
         if found:
@@ -163,7 +163,7 @@ class Speculator:
                 tree.add_path([alt], "model#2", parent=nodes[j - 1] if j else 0)
         if self.fallback is not None:
             self.fallback.extend(run.out[len(self.fallback.tokens) - run.prompt.numel():])
-            found = self.fallback.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates)
+            found = self.fallback.propose_many(min(opts.copy_limit(k), room), opts.copy_candidates)
             for rank, cont in enumerate(found, 1):
                 tree.add_path(cont, f"copy{self.fallback.n}#{rank}")
         return tree
@@ -254,7 +254,7 @@ class Speculator:
             self.tree_round(k, room)
             return
         t0 = run.clock.now()
-        drafts, qs = self.copy_draft(min(self.path.options.copy_tokens or k, room))
+        drafts, qs = self.copy_draft(min(self.path.options.copy_limit(k), room))
         copied = bool(drafts)
         if copied:
             stats.copy_rounds += 1
@@ -310,7 +310,7 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
     elif draft.plan != plan or draft.model is not model:
         raise SelfSpecError("the draft path was built for another plan or model")
     opts = draft.options
-    longest = max(cfg.k, opts.copy_tokens if opts.ngram else 0, opts.tree_nodes if opts.tree else 0)
+    longest = opts.longest_verify(cfg.k)
     if cfg.exact and opts.tree:
         raise SelfSpecError("exact greedy verifies chains: draft trees (copy_candidates > 1, branch_below > 0) "
                             "are not supported with exact=true")

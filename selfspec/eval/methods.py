@@ -253,9 +253,10 @@ def method_options(name: str, options: dict) -> dict | None:
 
 
 def build_method(name: str, lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan | None = None,
-                 options: dict | None = None) -> Method:
-    """Build method ``name`` (or its variant ``name-label``); ``options`` are its own settings
-    (:func:`method_options`)."""
+                 options: Any = None, decoding: dict | None = None) -> Method:
+    """Build method ``name`` (or its variant ``name-label``); ``options`` are its own settings: the typed
+    :data:`OPTIONS` of its method, or a mapping of them (:func:`method_options`; a ``decoding`` key in it is
+    ``decoding``), and ``decoding`` the decoding settings it sets for itself (:data:`PER_METHOD_DECODING`)."""
     base, label = split_variant(name)
     if base not in BUILDERS or ("-" in name and not label.replace("_", "").isalnum()):
         raise SelfSpecError(f"unknown method {name!r}; choose from {', '.join(BUILDERS)} "
@@ -269,8 +270,13 @@ def build_method(name: str, lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan |
     if cfg.packed_only and base not in OUR_METHODS:
         raise SelfSpecError(f"method {name} runs the model as loaded, but packed_only frees its dense weights; "
                             "run it in a separate run without decoding.packed_only")
-    options = dict(options or {})
-    decoding = options.pop("decoding", None)
+    key = options_key(name)
+    if isinstance(options, dict) or options is None:
+        options = dict(options or {})
+        decoding = {**(options.pop("decoding", None) or {}), **(decoding or {})}
+    elif not isinstance(options, OPTIONS.get(key, ())):
+        raise SelfSpecError(f"method {name} takes {OPTIONS[key].__name__ if key in OPTIONS else 'no options'}, "
+                            f"got {type(options).__name__}")
     if decoding:
         unknown = sorted(set(decoding) - set(PER_METHOD_DECODING))
         if unknown:
@@ -280,9 +286,8 @@ def build_method(name: str, lm: LoadedModel, cfg: DecodeConfig, plan: SkipPlan |
             raise SelfSpecError(f"method_options.{name}.decoding applies to our own loop, not to {base}")
         fields = {**asdict(cfg), **decoding}
         cfg = typed(DecodeConfig, {**fields, "sampling": asdict(cfg.sampling)}, f"method_options.{name}.decoding")
-    key = options_key(name)
     if key in OPTIONS:
-        opts = typed(OPTIONS[key], options, f"method_options.{key}")
+        opts = options if isinstance(options, OPTIONS[key]) else typed(OPTIONS[key], options, f"method_options.{key}")
     elif options:
         raise SelfSpecError(f"method {name} takes no options, got method_options.{key}={options}")
     else:

@@ -332,6 +332,6 @@ def costs_for_drafts(lm, context: list[int], drafts: list[DraftSpec]) -> CostMod
     formats = {weight_format(o): DraftOptions(weights=o.weights, group_size=o.group_size) for o in opts}
     formats.setdefault("model", DraftOptions())
     heads = [DraftOptions(head_weights=o.head_weights, group_size=o.group_size) for o in opts if o.head_weights != "model"]
-    longest = max(max(d.k, o.copy_tokens if o.ngram else 0, o.tree_nodes if o.tree else 0) for d, o in zip(drafts, opts))
+    longest = max(d.options.longest_verify(d.k) for d in drafts)
     return measure_costs(lm.model, context, list(formats.values()), sorted({0, *(o.head_tokens for o in opts)}),
                          longest + 1, stop_ids=lm.eos_ids, machine=machine_fingerprint(), head_formats=heads)

@@ -70,7 +70,7 @@ def forward_key(spec: DraftSpec) -> tuple:
     Two drafts with the same key predict the same tokens with the same probabilities on the same
     chunk; they may differ in ``k``, the adaptive exit, copy drafting and the tree options."""
     o = spec.options
-    groups = o.group_size if "int4" in (o.weights, o.head_weights) else 0
+    groups = max(o.group_for(o.weights), o.group_for(o.head_weights))
     return spec.plan.attn, spec.plan.mlp, o.weights, groups, o.head_tokens, o.head_weights
 
 
@@ -152,4 +152,4 @@ def leading_agreements(draft: list[int], target: list[int]) -> int:
 
 def decode_config_of(spec: DraftSpec, base: DecodeConfig) -> DecodeConfig:
     """``base`` with the draft's length policy (k, adaptive exit, threshold)."""
-    return replace(base, k=spec.k, adaptive=spec.adaptive, threshold=spec.threshold)
+    return replace(base, **spec.length)

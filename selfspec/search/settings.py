@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from selfspec.engine.decoding import DecodeConfig
 from selfspec.errors import SelfSpecError
-from selfspec.search.space import DraftDims
+from selfspec.search.space import DraftDims, SearchSpace
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class RetimeSettings:
 @dataclass(frozen=True)
 class HeldoutSettings:
     prompts: int = 4
-    max_new_tokens: int = 128
+    max_new_tokens: int = DecodeConfig.max_new_tokens  # as long as an evaluation's answers
     reps: int = 2
 
     def __post_init__(self) -> None:
@@ -43,9 +44,10 @@ class SearchSettings:
     sampler: str = "tpe"
     objective: str = "predicted"
     calibration_tokens: int = 24
-    min_skipped: int = 0
-    max_skipped: int | None = None
-    protect_first_last: bool = True
+    # the skip range's defaults are the search space's own (SearchSpace)
+    min_skipped: int = SearchSpace.min_skipped
+    max_skipped: int | None = SearchSpace.max_skipped
+    protect_first_last: bool = SearchSpace.protect_first_last
     space: DraftDims = field(default_factory=DraftDims)
     warm_start: tuple[str, ...] = ()
     anchors: bool = True

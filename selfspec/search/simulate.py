@@ -255,7 +255,7 @@ class RoundSimulator:
         out = RoundCounts()
         if L <= 1:
             return out
-        threshold = AdaptiveThreshold(DecodeConfig(k=spec.k, adaptive=spec.adaptive, threshold=spec.threshold))
+        threshold = AdaptiveThreshold(DecodeConfig(**spec.length))
         opts = spec.options
         ngram = NGramIndex(opts.ngram, opts.min_ngram or None, opts.copy_per_match) if opts.ngram else None
         tree = opts.tree  # the search simulates greedy decoding, where trees are verified
@@ -270,7 +270,7 @@ class RoundSimulator:
             proposals: list[list[int]] = []
             if k >= 1 and ngram is not None:
                 ngram.extend(c[len(ngram.tokens) - P : i + 1])
-                proposals = ngram.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates if tree else 1)
+                proposals = ngram.propose_many(min(opts.copy_limit(k), room), opts.copy_candidates if tree else 1)
             if k < 1 or (not proposals and not opts.model_draft):  # a plain step (copy-only: where nothing matched)
                 out.plain_steps += 1
                 out.tokens += 1
@@ -289,7 +289,7 @@ class RoundSimulator:
                 copies = []
                 if fallback is not None:
                     fallback.extend(c[len(fallback.tokens) - P : i + 1])
-                    copies = fallback.propose_many(min(opts.copy_tokens or k, room), opts.copy_candidates)
+                    copies = fallback.propose_many(min(opts.copy_limit(k), room), opts.copy_candidates)
                 branch = opts.branch_below if tree else 0.0
                 if oracle and not threshold.on and not branch and not copies:
                     modelled = nodes = depth = accepted = k  # a fixed k all accepted: no forward needed

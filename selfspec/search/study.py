@@ -31,6 +31,7 @@ from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
 from selfspec.search.costs import CostModel
 from selfspec.search.rounds import RoundCounts
+from selfspec.search.settings import SearchSettings
 from selfspec.search.simulate import RoundSimulator
 from selfspec.search.space import SearchSpace
 from selfspec.search.workers import fail_dead_trials, heartbeat, open_storage, running_elsewhere
@@ -53,7 +54,7 @@ class PredictedObjective:
     worse draft early by raising ``TrialPruned``).
     """
 
-    def __init__(self, simulator: RoundSimulator, costs: CostModel, batch: int = 4) -> None:
+    def __init__(self, simulator: RoundSimulator, costs: CostModel, batch: int = SearchSettings.batch) -> None:
         self.simulator, self.costs, self.batch = simulator, costs, batch
 
     def __call__(self, spec: DraftSpec, report: Callable[[int, float], None] | None = None) -> Evaluation:
