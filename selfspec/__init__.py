@@ -14,13 +14,36 @@ runner, results, tables), :mod:`selfspec.assets` (packaged models and data),
 :mod:`selfspec.cli` (entry points; the only code importing hydra, omegaconf or wandb).
 """
 
-from selfspec.draft.skip import layer_skipper
-from selfspec.engine.decoding import DecodeConfig, Generation, autoregressive
-from selfspec.engine.sampling import SamplingParams
-from selfspec.engine.speculate import self_speculative
-from selfspec.engine.stats import DecodeStats
-from selfspec.errors import AssetError, PlanError, SelfSpecError
-from selfspec.model.plan import SkipPlan
+import importlib
+
+# the public names, imported on first use: `import selfspec` alone loads no torch, so an entry point can take
+# Ctrl-C quietly from its first line on (selfspec.cli)
+_EXPORTS = {
+    "layer_skipper": "selfspec.draft.skip",
+    "DecodeConfig": "selfspec.engine.decoding",
+    "Generation": "selfspec.engine.decoding",
+    "autoregressive": "selfspec.engine.decoding",
+    "SamplingParams": "selfspec.engine.sampling",
+    "self_speculative": "selfspec.engine.speculate",
+    "DecodeStats": "selfspec.engine.stats",
+    "AssetError": "selfspec.errors",
+    "PlanError": "selfspec.errors",
+    "SelfSpecError": "selfspec.errors",
+    "SkipPlan": "selfspec.model.plan",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'selfspec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "AssetError",

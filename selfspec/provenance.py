@@ -124,11 +124,25 @@ def append_lines(path: str | Path, rows: list[dict]) -> None:
     data = "".join(json.dumps(strict_json(r), allow_nan=False) + "\n" for r in rows).encode("utf-8")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    start, written = os.fstat(fd).st_size, 0
     try:
         view = memoryview(data)
         while view:  # a regular file takes it whole; after a short write (a full disk) the next call raises
-            view = view[os.write(fd, view):]
+            n = os.write(fd, view)
+            view, written = view[n:], written + n
         os.fsync(fd)
+    except OSError as e:
+        # a full disk mid-line: cut what this call wrote (if no other writer appended since), so the file
+        # ends with whole lines; the rows are not written and the caller hears why
+        try:
+            if written and os.fstat(fd).st_size == start + written:
+                os.ftruncate(fd, start)
+        except OSError:
+            pass  # a reader's repair (records.repair_torn_tail) cuts the torn line instead
+        raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         os.close(fd)

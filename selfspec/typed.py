@@ -10,6 +10,7 @@ and lists become tuples where the field is a tuple.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any, TypeVar
 
@@ -34,11 +35,31 @@ def typed(cls: type[T], mapping: dict[str, Any] | None, where: str) -> T:
             value = typed(hint, value, f"{where}.{name}")
         elif typing.get_origin(hint) is tuple and isinstance(value, list):
             value = tuple(value)
+        else:
+            _check_scalar(f"{where}.{name}", hint, value)
         kwargs[name] = value
     try:
         return cls(**kwargs)
     except TypeError as e:
         raise SelfSpecError(f"bad value in {where}: {e}") from None
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_scalar(key: str, hint: Any, value: Any) -> None:
+    """Refuse a value of the wrong kind for a plain bool/int/float/str field (``None`` where the field allows it),
+    naming the key and the value: a config's ``temperature=abc`` is a user's typo, not a TypeError deep inside."""
+    allowed = set(typing.get_args(hint)) if typing.get_origin(hint) in (typing.Union, types.UnionType) else {hint}
+    if not allowed <= set(_KINDS) | {type(None)}:
+        return  # a field of another kind (tuples, nested settings, ...) checks itself
+    if value is None and type(None) in allowed:
+        return
+    ok = any(isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+             or (kind is float and isinstance(value, int) and not isinstance(value, bool)) for kind in allowed)
+    if not ok:
+        kinds = " or ".join(_KINDS[k] for k in _KINDS if k in allowed) + (" or null" if type(None) in allowed else "")
+        raise SelfSpecError(f"{key} must be {kinds}, got {value!r}")
 
 
 def defaults(cls: type) -> dict[str, Any]:

@@ -173,6 +173,34 @@ def _first_turns(src: Path, dest: Path) -> None:
     tmp.replace(dest)
 
 
+def json_file_problem(path: Path) -> str | None:
+    """Where a JSON or JSON-lines file stops being readable: its first byte that is not UTF-8 or its first line
+    that is not a JSON object, with the line number; None when every line reads."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        return f"{path}, line {line}: byte 0x{data[e.start]:02x} is not UTF-8 (save the file as UTF-8)"
+    stripped = text.lstrip()
+    if stripped.startswith("["):  # one JSON array of rows
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            return f"{path}, line {e.lineno}: not valid JSON ({e.msg})"
+        return None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"{path}, line {n}: not a JSON line ({e.msg}): {line[:60]!r}"
+        if not isinstance(row, dict):
+            return f"{path}, line {n}: a row must be a JSON object, got {type(row).__name__}"
+    return None
+
+
 def _rows(cfg: dict, cache_dir: Path | None) -> list[dict]:
     import datasets
 
@@ -191,6 +219,11 @@ def _rows(cfg: dict, cache_dir: Path | None) -> list[dict]:
         path = Path(cfg["path"]).expanduser()
         if not path.is_file():
             raise SelfSpecError(f"dataset {cfg['name']!r}: no file {path}")
+        # a user's file is read once first: pyarrow's errors name neither the file nor the row (and a byte that is
+        # not UTF-8 surfaces only when the rows are read)
+        problem = json_file_problem(path)
+        if problem:
+            raise SelfSpecError(f"dataset {cfg['name']!r}: {problem}")
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
     elif source == "hub":
         ds = datasets.load_dataset(cfg["path"], cfg.get("hub_name"), split=cfg.get("hub_split", "test"))

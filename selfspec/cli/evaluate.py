@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from selfspec.assets.data import TaskSet, load_task_set
 from selfspec.assets.models import load_model
+from selfspec.cli import take_interrupts
 from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, decode_config, draft_options, plain
 from selfspec.cli.jobs import job_failed, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
@@ -118,6 +119,7 @@ def print_summary(summary: dict, baseline: str) -> None:
 
 @hydra.main(config_path=str(conf_dir()), config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    take_interrupts()
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     logger = None
     try:
@@ -136,7 +138,8 @@ def main(cfg: DictConfig) -> None:
     except Exception as e:  # a failed job closes its run; a sweep goes on with the next job, and exits 1 at the end
         if logger:
             logger.finish(failed=True)
-        job_failed(e, out_dir)
+        job_failed(e, out_dir, f"Every sample finished before it is kept in {out_dir / 'samples.jsonl'}: make room (or "
+                               "make the folder writable) and rerun the same command to resume")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from selfspec.assets.models import MODELS, encode_prompt, load_model
+from selfspec.cli import take_interrupts
 from selfspec.cli.config import default_model
 from selfspec.cli.show import legend, pieces, render, save_png
 from selfspec.draft.spec import DraftSpec
@@ -81,12 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    take_interrupts()
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
     except SelfSpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 def _run(args) -> int:
@@ -98,6 +103,7 @@ def _run(args) -> int:
         spec, plan_src = DraftSpec(plan), "command line"
     elif args.plan:
         spec, plan_src = DraftSpec.load(args.plan), args.plan
+        spec.plan.check_model(lm.num_layers, lm.name)  # a draft of another model (even of the same depth) is refused
     else:
         spec, plan_src = default_draft(args.model, lm.num_layers)
     spec = spec.replace(k=args.k if args.k is not None else spec.k,

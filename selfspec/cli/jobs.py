@@ -16,7 +16,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import sqlite3
 import sys
 import time
 import traceback
@@ -66,20 +68,47 @@ def save_config(cfg: DictConfig, out_dir: Path) -> None:
     OmegaConf.save(OmegaConf.create(list(hc.overrides.task)), folder / "overrides.yaml")
 
 
-def job_failed(error: BaseException, out_dir: Path) -> None:
-    """Report a failed job (see the module text); returns in a sweep, exits with 2 in a single run."""
-    msg = str(error) if isinstance(error, SelfSpecError) else "".join(traceback.format_exception(error))
+# a write that failed for want of room or permission: the machine's state, not a bug to show a traceback for
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def write_failure(error: BaseException) -> str | None:
+    """One line for a write that failed (a full disk, a folder made read-only, a study's database that could not
+    write), else None."""
+    for e in (error, error.__cause__, error.__context__):
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            return f"cannot write{f' {e.filename}' if e.filename else ''}: {e.strerror}"
+    if type(error).__name__ == "StorageInternalError" or isinstance(error, sqlite3.OperationalError):
+        cause = error.__cause__ or error.__context__ or error
+        return f"the study's storage could not write: {str(cause).strip().splitlines()[0]}"
+    return None
+
+
+def job_failed(error: BaseException, out_dir: Path, kept: str = "") -> None:
+    """Report a failed job (see the module text); returns in a sweep, exits with 2 in a single run. ``kept``: what
+    a failed write leaves behind and how to resume, said after it."""
+    wrote = write_failure(error)
+    if wrote:
+        msg = f"{wrote}. {kept or 'Make room (or make the folder writable) and rerun the same command.'}"
+    else:
+        msg = str(error) if isinstance(error, SelfSpecError) else "".join(traceback.format_exception(error))
     print(f"error: {msg}" if not is_multirun() else f"error in {out_dir}: {msg}", file=sys.stderr)
     if not isinstance(error, RunRefused):
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "FAILED").write_text(msg + "\n")
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "FAILED").write_text(msg + "\n")
+        except OSError:
+            pass  # the folder cannot be written (what failed): the message above is the record
     if not is_multirun():
         sys.exit(2)
     sweep = Path(HydraConfig.get().sweep.dir)
-    sweep.mkdir(parents=True, exist_ok=True)
     first = msg.strip().splitlines()[0] if msg.strip() else type(error).__name__
-    with open(sweep / FAILED_JOBS, "a", encoding="utf-8") as f:  # one short append: whole lines from many jobs
-        f.write(f"{time.time():.3f}\t{out_dir}\t{first}\n")
+    try:
+        sweep.mkdir(parents=True, exist_ok=True)
+        with open(sweep / FAILED_JOBS, "a", encoding="utf-8") as f:  # one short append: whole lines from many jobs
+            f.write(f"{time.time():.3f}\t{out_dir}\t{first}\n")
+    except OSError:
+        pass
 
 
 def _writable_or_exit(folder: str, what: str) -> None:

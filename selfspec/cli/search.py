@@ -10,6 +10,7 @@ or a database URL) to run the trials on several workers.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -20,9 +21,11 @@ from omegaconf import DictConfig
 
 from selfspec.assets.data import prompt_set_from_config
 from selfspec.assets.models import load_model
+from selfspec.cli import take_interrupts
 from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, plain, search_settings
 from selfspec.cli.jobs import job_failed, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
+from selfspec.errors import SelfSpecError
 from selfspec.kernels import fp16, vnni
 from selfspec.kernels.packed import pack_format
 from selfspec.search.pipeline import search
@@ -43,6 +46,7 @@ def _on_trial(logger: WandbLogger):
 
 @hydra.main(config_path=str(conf_dir()), config_name="search", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    take_interrupts()
     started = time.perf_counter()  # the report counts the model's fetch and load too
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     logger = None
@@ -70,6 +74,10 @@ def main(cfg: DictConfig) -> None:
             logger.finish()
             return
         print(format_report(report))
+        if report.unsaved:
+            print(json.dumps(report.draft.to_dict(), indent=2))
+            raise SelfSpecError(f"{report.unsaved}. The draft is printed above (save it as a .json file to use it); "
+                                "the study keeps every trial: rerun the same command once the folder can be written")
         logger.summary({k: v for k, v in report.to_dict().items() if k not in ("draft", "candidates", "ablation")})
         logger.artifact(report.plan_path, f"draft-{Path(report.plan_path).stem}", "draft")
         logger.finish()
@@ -81,7 +89,8 @@ def main(cfg: DictConfig) -> None:
     except Exception as e:  # one line for a user error; a sweep goes on with its next job and exits 1 at the end
         if logger:
             logger.finish(failed=True)
-        job_failed(e, out_dir)
+        job_failed(e, out_dir, "Every trial finished before it is kept in the study (search.storage): make room (or "
+                               "make the folder writable) and rerun the same command to resume")
 
 
 if __name__ == "__main__":

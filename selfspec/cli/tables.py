@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from selfspec.cli import take_interrupts
 from selfspec.cli.config import conf_dir
 from selfspec.eval.figures import write_figures
 from selfspec.eval.headline import update_readme
@@ -26,6 +27,7 @@ def _command(name: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    take_interrupts()
     ap = argparse.ArgumentParser(prog="python -m selfspec.tables", description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", default="results/runs", help="folder searched for samples.jsonl files")
     ap.add_argument("--tables", default="results/tables", help="where .md/.tex/.csv go")

@@ -5,7 +5,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from selfspec.errors import SelfSpecError
 from selfspec.locks import check_writable
+
+# W&B's own folders under the home folder, and where they go when the home folder cannot be written
+_WANDB_HOME = {"WANDB_CONFIG_DIR": ".config/wandb", "WANDB_CACHE_DIR": ".cache/wandb", "WANDB_DATA_DIR": ".local/share/wandb"}
+
+
+def _writable_wandb_home(root: Path) -> None:
+    """Point W&B's config, cache and data folders into ``root`` (the run's W&B folder) where their usual places
+    under a read-only home cannot be written; a folder the user chose (its variable set) is left as it is."""
+    for var, rel in _WANDB_HOME.items():
+        if os.environ.get(var):
+            continue
+        try:
+            check_writable(Path.home() / rel, "W&B's folder")
+        except (SelfSpecError, RuntimeError):
+            os.environ[var] = str(root / ".home" / rel)
 
 
 class WandbLogger:
@@ -35,10 +51,18 @@ class WandbLogger:
         if self._init is None or self.run is not None:
             return self
         os.environ.setdefault("WANDB_SILENT", "true")
+        _writable_wandb_home(Path(self._init["dir"]))
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(**self._init, reinit="finish_previous")
+        try:
+            self.run = wandb.init(**self._init, reinit="finish_previous")
+        except wandb.errors.UsageError as e:
+            if self._init["mode"] == "online":
+                raise SelfSpecError(f"W&B cannot log online ({str(e).strip().splitlines()[0]}): log in or set "
+                                    "WANDB_API_KEY, or log offline (logger.mode=offline, the default) or not at "
+                                    "all (logger=none)") from None
+            raise SelfSpecError(f"W&B refused to start: {e} (logger=none runs without it)") from None
         return self
 
     def log(self, metrics: dict) -> None:

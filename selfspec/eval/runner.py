@@ -179,10 +179,16 @@ def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings
         bar.set_postfix({short_name(r["method"]): f"{r['tokens_per_s']:.1f}t/s" for r in new_rows})
         if on_sample:
             on_sample(new_rows)
+    kept = [r for r in rows if r["sample_id"] in {s.id for s in samples}]
+    if samples and not kept:  # nothing to compare: a run that measured nothing has not finished
+        reasons = sorted(set(skipped.values()))
+        raise SelfSpecError(f"every one of the {len(samples)} samples was skipped, so {path} holds no results "
+                            f"({'; '.join(reasons[:3])}{'; ...' if len(reasons) > 3 else ''}): choose a dataset "
+                            "whose prompts fit the model, or a model with a longer context")
     if skipped:
         print(f"[selfspec] {len(skipped)} sample(s) skipped, not in the results: {', '.join(sorted(skipped))}",
               file=sys.stderr)
-    return [r for r in rows if r["sample_id"] in {s.id for s in samples}]
+    return kept
 
 
 def _warm_up_prompt(lm: LoadedModel, todo: list[Sample], max_new_tokens: int) -> list[int] | None:

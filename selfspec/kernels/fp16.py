@@ -53,7 +53,7 @@ def build_in_background() -> threading.Thread:
 @functools.cache
 def _load_once():
     return vnni.load_kernel(ENV, "fbgemm", {"panels": FLAGS}, lambda _: _build(),
-                            "packed fp16 products run on fbgemm's kernel: ours'")
+                            "packed fp16 products run on fbgemm's kernel, not ours")
 
 
 def _build():

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from selfspec.errors import SelfSpecError
-from selfspec.locks import waiting
+from selfspec.locks import check_writable, waiting
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_vnni.cpp"
 # the builds, best first: name -> (the CPU flags it needs, the compiler's flags)
@@ -129,7 +129,7 @@ def load_kernel(env: str, off: str, builds: dict[str, tuple[str, ...]], build: C
         module = build(name)
     except Exception as e:  # noqa: BLE001 - a compiler, ninja or header problem: fall back, say why
         reason = f"its build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
-        print(f"selfspec: {fallback} {reason}", file=sys.stderr)
+        print(f"selfspec: {fallback}: {reason}", file=sys.stderr)
         return None, reason, None
     return module, None, name
 
@@ -145,7 +145,7 @@ def _load_once():
     """(the kernel's operator namespace ``torch.ops.selfspec_vnni``, None, the build's name) or (None, why not, None);
     once per process (through :data:`_KERNEL`)."""
     return load_kernel(ENV, "aten", {name: needs for name, (needs, _) in BUILDS.items()}, lambda name: _build(name),
-                       "int4 drafts run torch's int4 kernel: the VNNI kernel's")
+                       "int4 drafts run torch's int4 kernel, not the VNNI kernel")
 
 
 _KERNEL = LazyKernel(_load_once)
@@ -172,7 +172,15 @@ def compile_extension(source: Path, stem: str, flags: list[str]) -> None:
     # rebuild each other's) and torch version; torch rebuilds in place when the source changes
     where = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
     build = default_cache_dir() / "kernels" / f"{stem}-torch{torch.__version__.split('+')[0]}-{where}"
-    build.mkdir(parents=True, exist_ok=True)
+    library = build / f"selfspec_{stem.replace('-', '_')}.so"
+    try:
+        check_writable(build, f"the {stem} kernel's build folder (set SELFSPEC_CACHE to a folder that can be written)")
+    except SelfSpecError:
+        # a cache that cannot be written (a read-only home, a shared copy): its build runs if it is current
+        if library.is_file() and library.stat().st_mtime >= source.stat().st_mtime:
+            torch.ops.load_library(str(library))
+            return
+        raise
     # torch's build guards its folder with a `lock` file that a process stopped mid-build (an error elsewhere while
     # the build ran in a background thread, a kill) leaves behind, and every later build then waits on it forever.
     # Ours is an flock, which the OS drops with its holder: while it is held no other build of ours runs here, so a
@@ -183,7 +191,7 @@ def compile_extension(source: Path, stem: str, flags: list[str]) -> None:
             print(f"selfspec: removed a stale build lock at {stale} (a build stopped before it finished)",
                   file=sys.stderr, flush=True)
             stale.unlink(missing_ok=True)
-        load(f"selfspec_{stem.replace('-', '_')}", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        load(library.stem, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
              build_directory=str(build), verbose=False, is_python_module=False)
 
 

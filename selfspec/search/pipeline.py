@@ -93,13 +93,19 @@ def search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: 
     space = SearchSpace(lm.num_layers, s.min_skipped, s.max_skipped, s.protect_first_last, s.space)
     space.check()
     check_writable(Path(s.plans_dir), "draft files")
+    # warm starts are read and checked before the study is opened: a refused one leaves no empty study behind
+    warm = [DraftSpec.load(p) for p in s.warm_start] + (space.anchors() if s.anchors else [])
+    for spec in warm:
+        spec.plan.check_model(space.num_layers)
+        space.params_of(spec)
     storage = open_storage(s.storage)
     with worker_slot(storage, s.study_name) as slot:
-        return _search(lm, prompt_set, s, space, storage, slot, on_trial, extra_provenance, setup_seconds)
+        return _search(lm, prompt_set, s, space, storage, slot, warm, on_trial, extra_provenance, setup_seconds)
 
 
 def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: SearchSpace, storage, slot: int,
-            on_trial: Callable | None, extra_provenance: dict | None, setup_seconds: float) -> SearchReport | None:
+            warm: list[DraftSpec], on_trial: Callable | None, extra_provenance: dict | None,
+            setup_seconds: float) -> SearchReport | None:
     t_start, started = time.perf_counter(), time.time()
     calib_ids = [encode_prompt(lm.tokenizer, p) for p in prompt_set.calibration]
     held = prompt_set.heldout
@@ -117,7 +123,7 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     pin_study_attr(study, "objective", s.objective,
                    f"study {s.study_name!r} was scored by objective {{recorded!r}}, not {s.objective!r}: "
                    "choose another search.study_name")
-    enqueue_warm_starts(study, space, [DraftSpec.load(p) for p in s.warm_start] + (space.anchors() if s.anchors else []))
+    enqueue_warm_starts(study, space, warm)
     stages, t = {}, time.perf_counter()
     conts, costs, cost_note = calibrate(study, storage, lm, calib_ids, space, s)
     stages["calibration and cost model"], t = time.perf_counter() - t, time.perf_counter()
@@ -224,7 +230,11 @@ def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     plan = SkipPlan(best.plan.num_layers, best.plan.attn, best.plan.mlp, model=lm.name, provenance=prov)
     final = best.replace(plan=plan, measured={"calibration": calibration, "heldout": heldout,
                                                "predicted_speedup": report.predicted_speedup, "ablation": ablation})
-    report.draft, report.plan_path = final, str(final.save(plans_dir / f"{s.study_name}.json"))
+    report.draft = final
+    try:
+        report.plan_path = str(final.save(plans_dir / f"{s.study_name}.json"))
+    except OSError as e:  # a full or read-only plans_dir: the report and the draft still reach the terminal
+        report.unsaved = f"cannot write the draft to {plans_dir / f'{s.study_name}.json'}: {e.strerror or e}"
     return report
 
 

@@ -28,6 +28,7 @@ class SearchReport:
     trimmed: list = field(default_factory=list)  # what the final stages left out to meet time_target_s (fit_target)
     final_stages_s: list | None = None  # the final stages' estimated seconds as run, and the seconds left for them
     loop_overheads: dict = field(default_factory=dict)  # the cost model's overheads (CostModel.overhead), seconds
+    unsaved: str | None = None  # why the draft file could not be written (plan_path is then empty)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -83,7 +84,7 @@ def format_report(r: SearchReport) -> str:
             spread = _spread(m.get("decode_speedup_range"))
             lines.append(f"  {a['variant']:<28} {p['decode_speedup']:.2f}x / {m['decode_speedup']:.2f}x{spread}, "
                          f"{m['speedup']:.2f}x, acceptance {p['acceptance']:.2f} / {m['acceptance']:.2f}")
-    lines.append(f"draft written to {r.plan_path}")
+    lines.append(f"draft written to {r.plan_path}" if not r.unsaved else f"draft not written: {r.unsaved}")
     held = (r.heldout.get("measured") or {}).get("speedup")  # end to end: what a user waits for
     if held is not None and held < 1.0:
         lines.append("note: no real speedup on held-out prompts for this model on this machine (see README).")

@@ -20,6 +20,7 @@ machine or on many:
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -47,6 +48,19 @@ def storage_file(spec: str | Path) -> Path | None:
     return None if "://" in str(spec) else Path(spec)
 
 
+def journal_problem(path: Path) -> str:
+    """The first line of a journal study file that is no journal record (the last line may be torn by a crash:
+    Optuna skips it)."""
+    lines = path.read_bytes().split(b"\n")
+    for n, raw in enumerate(lines[:-1], 1):  # the last piece has no newline: torn or empty
+        try:
+            if not isinstance(json.loads(raw.decode("utf-8")), dict):
+                raise ValueError
+        except (ValueError, UnicodeDecodeError):
+            return f"{path}, line {n} is not a journal record: {raw[:60].decode('utf-8', 'replace')!r}"
+    return f"{path} cannot be read"
+
+
 def open_storage(spec: str | Path) -> optuna.storages.BaseStorage:
     """SQLite for ``*.db`` paths, a journal file for ``*.journal``, else the database URL as given."""
     path = storage_file(spec)
@@ -57,7 +71,12 @@ def open_storage(spec: str | Path) -> optuna.storages.BaseStorage:
         from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 
         # the open(O_EXCL) lock works on network file systems, where symlinks may not
-        return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
+        try:
+            return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise SelfSpecError(f"the study journal {journal_problem(path)}: it was changed by hand or by another "
+                                "program; remove that line (a study keeps every other trial) or start a new study "
+                                "(search.study_name=...)") from None
     url, kwargs = str(spec), {}
     if path is not None:  # several processes write one SQLite file: wait for its lock instead of failing after 5 s
         url, kwargs = f"sqlite:///{path}", {"engine_kwargs": {"connect_args": {"timeout": 120}}}
@@ -129,9 +148,18 @@ def _take(storage, name: str, stale_after: float = STALE_AFTER_S) -> bool:
     return _create_marker(storage, name)
 
 
+def _drop_dead_slots(storage, study_name: str) -> None:
+    prefix = f"{study_name}{_MARK}worker-"
+    for summary in storage.get_all_studies():
+        if summary.study_name.startswith(prefix) and not _holder_alive(summary.user_attrs, float("inf")):
+            _drop_marker(storage, summary.study_name)
+
+
 @contextmanager
 def worker_slot(storage, study_name: str) -> Iterator[int]:
-    """The lowest free worker slot of the study, held for the block (a dead worker's slot on this host is taken over)."""
+    """The lowest free worker slot of the study, held for the block (a dead worker's slot on this host is taken over,
+    and the slots of every other dead worker of this host are cleared, so none stays behind in the storage)."""
+    _drop_dead_slots(storage, study_name)
     i = 0
     while not _take(storage, f"{study_name}{_MARK}worker-{i}", stale_after=float("inf")):
         i += 1
