@@ -308,3 +308,20 @@ def test_ctrl_c_while_an_entry_point_imports_is_a_quiet_stop(tmp_path):
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "s.db").exists()
+
+
+def test_a_work_folder_a_failed_fetch_left_is_removed_unless_in_use(tmp_path):
+    from selfspec.assets.fetch import remove_if_unused
+    from selfspec.locks import waiting
+
+    work = tmp_path / ".m.work"
+    work.mkdir()
+    with waiting(work / "m.gguf", "fetching"):  # another process's fetch waits on it: it stays
+        remove_if_unused(work)
+    assert work.is_dir()
+    (work / "m.gguf.partial").write_bytes(b"x")  # anything but locks: it stays
+    remove_if_unused(work)
+    assert work.is_dir()
+    (work / "m.gguf.partial").unlink()
+    remove_if_unused(work)  # only a lock nobody holds: gone
+    assert not work.exists()
