@@ -1,0 +1,77 @@
+"""Row-invariance: a row's result does not depend on how many rows share its forward, where it sits among them,
+or how many keys the cache holds past it. Greedy self-speculative output equals greedy AR output in bf16 when
+every full-model forward has this property (a verify's rows then compute what AR's steps compute)."""
+
+import pytest
+import torch
+
+from selfspec.engine.attention import CHUNK, attention_forward
+from selfspec.kernels.packed import packing_supported
+
+# shapes of the packaged models' attention: query heads, key/value heads, head dim
+SHAPES = [(12, 2, 128), (14, 2, 64), (4, 1, 64)]
+# positions around the chunk boundaries and far from them
+POSITIONS = (0, 5, 37, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 77, 3 * CHUNK - 2)
+
+
+def _attend(q, k, v, start, n, capacity=0):
+    """Rows at positions ``start..start+n-1`` over keys ``0..start+n-1`` (and ``capacity`` masked keys past them)."""
+    keys = start + n + capacity
+    mask = torch.ones(n, keys, dtype=torch.bool).tril(diagonal=start)[None, None]
+    out, _ = attention_forward(None, q[:, :, start : start + n], k[:, :, :keys], v[:, :, :keys], mask)
+    return out[0]
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", SHAPES)
+def test_a_rows_attention_is_the_same_in_any_forward(heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(heads * dim)
+    length = POSITIONS[-1] + 40
+    q, k, v = (torch.randn(1, h, length, dim, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads))
+    differ = []
+    for pos in POSITIONS:
+        alone = _attend(q, k, v, pos, 1)[0]
+        for n in (2, 3, 5, 6, 8, 11, 16):
+            for j in range(min(n, pos + 1)):
+                for capacity in (0, 9):
+                    if not torch.equal(_attend(q, k, v, pos - j, n, capacity)[j], alone):
+                        differ.append((pos, n, j, capacity))
+    assert not differ, f"{len(differ)} (position, rows, row, extra keys) differ from the one-row result: {differ[:5]}"
+
+
+def _bf16_linears():
+    w = (torch.randn(1024, 512, generator=torch.Generator().manual_seed(0)) * 0.05).bfloat16()
+    kinds = {"torch": lambda x: torch.nn.functional.linear(x, w)}
+    if packing_supported():  # oneDNN's prepacked bf16 weights, as our loop runs them on this CPU
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        kinds["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return kinds
+
+
+@pytest.mark.parametrize("kind", list(_bf16_linears()))
+def test_a_rows_linear_product_is_the_same_in_any_forward_of_two_rows_or_more(kind):
+    """One-row products may take another path (a matrix-vector kernel) and round differently: the decoding loop
+    pads every full-model forward to ``rows`` >= 2 where it pads (DecodeConfig.rows), so only >= 2 rows meet."""
+    f = _bf16_linears()[kind]
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+    full = f(x)
+    differ = [n for n in range(2, 16) if not torch.equal(f(x[:n]), full[:n])]
+    differ += [f"rows {i},{i + 1}" for i in range(15) if not torch.equal(f(x[i : i + 2]), full[i : i + 2])]
+    assert not differ, f"{kind}: a row's product depends on the forward's rows ({differ})"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_default_greedy_chains_are_token_identical_to_ar_in_bf16(make_model, arch):
+    """No exact mode, no rows to set: the defaults. Drafts that skip, quantize, copy and exit adaptively."""
+    from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
+    from selfspec.draft.path import DraftOptions, DraftPath
+
+    model = make_model(arch, torch.bfloat16)
+    prompt = list(range(3, 40))
+    for k, adaptive in ((2, False), (5, True)):
+        cfg = DecodeConfig(max_new_tokens=24, k=k, adaptive=adaptive, fallback=False)
+        ar = autoregressive(model, prompt, cfg).tokens
+        for plan, opts in ((SkipPlan(4, attn=(1,), mlp=(2,)), DraftOptions()),
+                           (SkipPlan(4, attn=(0, 2)), DraftOptions(weights="int8")),
+                           (SkipPlan(4, mlp=(1, 3)), DraftOptions(ngram=1, copy_tokens=k + 2))):
+            sp = self_speculative(model, prompt, plan, cfg, draft=DraftPath(model, plan, opts))
+            assert sp.tokens == ar, (arch, k, plan.describe(), opts)
