@@ -11,7 +11,7 @@ from selfspec.kernels.packed import packing_supported
 # shapes of the packaged models' attention: query heads, key/value heads, head dim
 SHAPES = [(12, 2, 128), (14, 2, 64), (4, 1, 64)]
 # positions around the chunk boundaries and far from them
-POSITIONS = (0, 5, 37, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 77, 3 * CHUNK - 2)
+POSITIONS = sorted({0, 5, 37, 255, 256, 257, 700, 1023, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK - 2})
 
 
 def _attend(q, k, v, start, n, capacity=0):
@@ -25,7 +25,7 @@ def _attend(q, k, v, start, n, capacity=0):
 @pytest.mark.parametrize("heads, kv_heads, dim", SHAPES)
 def test_a_rows_attention_is_the_same_in_any_forward(heads, kv_heads, dim):
     g = torch.Generator().manual_seed(heads * dim)
-    length = POSITIONS[-1] + 40
+    length = max(POSITIONS) + 40
     q, k, v = (torch.randn(1, h, length, dim, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads))
     differ = []
     for pos in POSITIONS:

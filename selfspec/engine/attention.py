@@ -31,7 +31,7 @@ import torch
 NAME = "selfspec_decode"
 ATTENTION = ("decode", "sdpa")  # DecodeConfig.attention: this module's, or the model's as loaded
 MAX_ROWS = 32  # query rows up to which the matrix products serve (a draft tree's verify is at most ~30 rows)
-CHUNK = 256  # keys per product: a row's sum over the values runs in these chunks, in order, from key 0
+CHUNK = 32  # the sum over the values runs over whole chunks of this many keys (row-invariance)
 
 _UNCOVERED = ("position_bias", "softcap", "s_aux", "sinks")
 
@@ -58,28 +58,24 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     scale = dim ** -0.5 if scaling is None else scaling
     # heads h = j * group + i share key/value head j: rows (i, q) of one product per (batch, j)
     acc = torch.promote_types(query.dtype, torch.float32)  # float32 for bf16/fp16, float64 stays
-    # the keys, padded with zeros to whole chunks of CHUNK: every product below has a shape that does not depend on
-    # how many keys or query rows this forward has, so a row's result does not either (row-invariance)
-    padded = -(-keys // CHUNK) * CHUNK
-    k = key.new_zeros(b * kv_heads, padded, dim, dtype=acc)
-    k[:, :keys] = key.reshape(b * kv_heads, keys, dim)
-    v = value.new_zeros(b * kv_heads, padded, dim, dtype=acc)
-    v[:, :keys] = value.reshape(b * kv_heads, keys, dim)
     q = query.reshape(b * kv_heads, group * rows, dim).to(acc)
-    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
-    scores[..., keys:] = float("-inf")  # the padding: probability exactly 0
+    scores = torch.bmm(q, key.reshape(b * kv_heads, keys, dim).to(acc).transpose(1, 2)).mul_(scale)
     if attention_mask is not None:
         m = attention_mask[..., :keys].expand(b, heads, rows, keys).reshape(b * kv_heads, group * rows, keys)
         if m.dtype == torch.bool:
-            scores[..., :keys].masked_fill_(~m, float("-inf"))
+            scores.masked_fill_(~m, float("-inf"))
         else:
-            scores[..., :keys].add_(m)
-    probs = scores.softmax(-1)
-    # the values' sum in fixed chunks from key 0, in order: a masked or padded key adds an exact 0
-    out = torch.bmm(probs[..., :CHUNK], v[:, :CHUNK])
-    for c in range(CHUNK, padded, CHUNK):
-        out.baddbmm_(probs[..., c : c + CHUNK], v[:, c : c + CHUNK])
-    out = out.to(value.dtype)
+            scores.add_(m)
+    # the sum over the values runs over a key count padded to whole chunks of CHUNK (probability exactly 0, values
+    # 0): the product's reduction is then split the same way whatever the forward's width, so a row's result
+    # depends only on its own keys (row-invariance; tests/test_row_invariance.py)
+    padded = -(-keys // CHUNK) * CHUNK
+    v = torch.empty(b * kv_heads, padded, dim, dtype=acc)
+    v[:, :keys] = value.reshape(b * kv_heads, keys, dim)
+    v[:, keys:] = 0
+    if padded > keys:
+        scores = torch.nn.functional.pad(scores, (0, padded - keys), value=float("-inf"))
+    out = torch.bmm(scores.softmax(-1), v).to(value.dtype)
     return out.reshape(b, heads, rows, dim).transpose(1, 2).contiguous(), None
 
 
