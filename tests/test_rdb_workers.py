@@ -256,3 +256,15 @@ def test_a_holder_on_another_host_is_judged_by_its_own_heartbeat(tmp_path):
     assert workers._holder_alive({"worker": "another-host:1", "alive_at": now - 10, "stale_after": 30})
     assert not workers._holder_alive({"worker": "another-host:1", "alive_at": now - 10, "stale_after": 5}, 1e9)
     assert workers._holder_alive({"worker": "another-host:1", "alive_at": now - 10})  # none recorded: the default
+
+
+def test_workers_opening_a_new_database_at_once_all_get_in(postgres):
+    """The first workers on an empty database create Optuna's tables at the same moment: the losers of that race
+    open the storage on a second try instead of failing."""
+    start = time.time() + 5  # all open it at this instant, past their imports
+    code = (f"import time; from selfspec.search import workers; time.sleep(max(0.0, {start} - time.time())); "
+            f"workers.open_storage({postgres!r}); print('opened')")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [e[-1500:] for _, e in outs if e]

@@ -111,8 +111,10 @@ def open_storage(spec: str | Path) -> optuna.storages.BaseStorage:
             return optuna.storages.RDBStorage(url, **kwargs)
         except Exception as e:  # a bad URL, a missing driver, a server that does not answer
             error = str(e).splitlines()[0]
-            # workers creating a new database's tables at once collide: the next attempt finds them made
-            if not any(m in error for m in ("IntegrityError", "already exists", "database is locked")):
+            # workers creating a new database's tables at once collide (SQLite: locked or already there;
+            # PostgreSQL: a duplicate key in its catalogue): the next attempt finds them made
+            if not any(m in error for m in ("IntegrityError", "already exists", "database is locked", "duplicate key",
+                                            "UniqueViolation")):
                 break
             time.sleep(0.5 + attempt)
     raise SelfSpecError(f"cannot open the study storage {spec}: {error}")
