@@ -9,6 +9,7 @@ dead pid tells at once.
 """
 
 import glob
+import itertools
 import json
 import os
 import pwd
@@ -30,6 +31,7 @@ from selfspec.search import workers
 from selfspec.search.study import finished
 
 N_TRIALS = 24
+_DATABASES = itertools.count()
 STUDY = "pg-three"
 # a tiny-model search whose drafts the trials' predictions alone decide (none is chosen by a timing), so that the
 # same trials pick the same draft on any number of workers
@@ -73,12 +75,12 @@ def _as_server_user() -> dict:
     _missing("running as root with no 'postgres' or 'nobody' user to run the PostgreSQL server as")
 
 
-@pytest.fixture
-def postgres():
-    """A throwaway PostgreSQL server with a database ``selfspec``; yields its SQLAlchemy URL. Stopped and removed
-    at the end, whatever the test did."""
+@pytest.fixture(scope="module")
+def postgres_server():
+    """A throwaway PostgreSQL server for this file's tests; yields the folder of its unix socket. Stopped and removed
+    at the end, whatever the tests did."""
     try:
-        import psycopg
+        import psycopg  # noqa: F401
     except ImportError:
         _missing("no PostgreSQL driver for Python: pip install -e '.[test]' (psycopg[binary])")
     bindir = _server_bin()
@@ -103,13 +105,22 @@ def postgres():
         started = run("pg_ctl", "-D", str(data), "-l", str(log), "-w", "-t", "60", "start", "-o",
                       f"-c listen_addresses='' -k {home} -c fsync=off -c synchronous_commit=off")
         assert started.returncode == 0, started.stdout + started.stderr + (log.read_text() if log.exists() else "")
-        with psycopg.connect(host=str(home), user="postgres", dbname="postgres", autocommit=True) as con:
-            con.execute("CREATE DATABASE selfspec")
-        yield f"postgresql+psycopg://postgres@/selfspec?host={home}"
+        yield home
     finally:
         if (data / "postmaster.pid").exists():
             run("pg_ctl", "-D", str(data), "-m", "immediate", "-w", "stop")
         shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres(postgres_server):
+    """A new, empty database on the server; yields its SQLAlchemy URL."""
+    import psycopg
+
+    name = f"test_{next(_DATABASES)}"
+    with psycopg.connect(host=str(postgres_server), user="postgres", dbname="postgres", autocommit=True) as con:
+        con.execute(f"CREATE DATABASE {name}")
+    return f"postgresql+psycopg://postgres@/{name}?host={postgres_server}"
 
 
 def _own_hosts() -> bool:

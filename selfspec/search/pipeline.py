@@ -134,7 +134,11 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     stages["trials"] = time.perf_counter() - t
     fail_dead_trials(study, s.liveness)
     with holding(storage, s.study_name, "writing the draft", s.liveness) as mine:
-        if running_elsewhere(study, live=s.liveness) or not mine:
+        if not mine:
+            print(f"[selfspec] worker {slot} done; another worker writes the draft of study {s.study_name!r}",
+                  file=sys.stderr)
+            return None
+        if running_elsewhere(study, live=s.liveness):
             print(f"[selfspec] worker {slot} done; other workers are still running trials of study "
                   f"{s.study_name!r}: the last one to finish writes the draft", file=sys.stderr)
             return None

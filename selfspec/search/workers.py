@@ -5,8 +5,8 @@ machine or on many:
 
 - **Storage** (``search.storage``): a file path ending in ``.db`` is SQLite (one
   machine); a path ending in ``.journal`` is Optuna's journal file (a shared file
-  system); a URL with ``://`` is any database SQLAlchemy reaches (PostgreSQL for a
-  cluster: ``postgresql://user@host/db``).
+  system); a URL with ``://`` is any database SQLAlchemy reaches (PostgreSQL through
+  psycopg 3 for several machines: ``postgresql+psycopg://user:password@host/db``).
 - **Worker slots.** Each process takes the lowest free slot ``i`` (creating a
   marker study is atomic in every storage) and seeds its sampler with ``seed + i``,
   so workers propose different drafts; the slot is given back on exit.
