@@ -173,6 +173,7 @@ def _outcomes(study: optuna.Study) -> list[tuple[str, str, float | None]]:
                   for t in study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED)))
 
 
+@pytest.mark.cli
 def test_three_workers_on_postgres_one_killed_mid_trial(tmp_path, postgres):
     own_hosts = _own_hosts()
     hosts = [f"node-{i}" if own_hosts else None for i in range(3)]
@@ -207,7 +208,7 @@ def test_three_workers_on_postgres_one_killed_mid_trial(tmp_path, postgres):
     assert sum("best draft" in o for o in out) == 1 and not out[2], out
     drafts = [p for i in range(3) if (p := tmp_path / f"w{i}" / "plans" / f"{STUDY}.json").exists()]
     assert len(drafts) == 1, drafts
-    # what stays in the database: the study, and the killed worker's slot (taken over by the next worker to start)
+    # what stays in the database: the study, and the killed worker's slot (cleared by the next worker to start)
     assert set(optuna.get_all_study_names(storage)) - {STUDY} <= {f"{STUDY}~worker-{i}" for i in range(3)}
 
     # one worker on the same trials (the same parameters, in the same order, with the same calibration and cost
