@@ -73,7 +73,7 @@ def calibrate(study: optuna.Study, storage, lm: LoadedModel, calib_ids: list[lis
         study.set_user_attr(CALIBRATION_ATTR, saved)
         return saved
 
-    saved = claimed_once(storage, s.study_name, "calibration", ready, compute)
+    saved = claimed_once(storage, s.study_name, "calibration", ready, compute, live=s.liveness)
     costs = CostModel.from_dict(saved["costs"])
     old = note.get("remeasured")
     cost_note = "cost model measured on this machine" if old is None else (

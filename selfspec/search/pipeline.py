@@ -43,15 +43,7 @@ from selfspec.search.study import (
     top_drafts,
 )
 from selfspec.search.variants import ablation_variants, skip_free, spread
-from selfspec.search.workers import (
-    WORKER,
-    fail_dead_trials,
-    open_storage,
-    release,
-    running_elsewhere,
-    try_claim,
-    worker_slot,
-)
+from selfspec.search.workers import WORKER, fail_dead_trials, holding, open_storage, running_elsewhere, worker_slot
 
 
 class _Progress:
@@ -99,7 +91,7 @@ def search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: 
         spec.plan.check_model(space.num_layers)
         space.params_of(spec)
     storage = open_storage(s.storage)
-    with worker_slot(storage, s.study_name) as slot:
+    with worker_slot(storage, s.study_name, s.liveness) as slot:
         return _search(lm, prompt_set, s, space, storage, slot, warm, on_trial, extra_provenance, setup_seconds)
 
 
@@ -112,7 +104,7 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     held_ids = [encode_prompt(lm.tokenizer, held[i]) for i in spread(len(held), s.heldout.prompts)]
     timed_rows = spread(len(calib_ids), s.retime.prompts)
     plans_dir = Path(s.plans_dir)
-    study = open_study(storage, s.study_name, lm.name, s.sampler, s.seed + slot, s.prune)
+    study = open_study(storage, s.study_name, lm.name, s.sampler, s.seed + slot, s.prune, s.liveness)
     if study.user_attrs.get("format") is None and study.get_trials(deepcopy=False):
         raise SelfSpecError(f"study {s.study_name!r} in {s.storage} was made by an older selfspec (skip plans only); "
                             "its trials would not compare: choose another search.study_name")
@@ -135,16 +127,21 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
                                        s.retime.max_new_tokens)
     progress = _Progress(s.n_trials, finished(study))
     try:
-        run_search(study, space, objective, s.n_trials, lm.name, [progress] + ([on_trial] if on_trial else []))
+        run_search(study, space, objective, s.n_trials, lm.name, [progress] + ([on_trial] if on_trial else []),
+                   s.liveness)
     finally:
         progress.close()
     stages["trials"] = time.perf_counter() - t
-    fail_dead_trials(study)
-    if running_elsewhere(study) or not try_claim(storage, s.study_name, "writing the draft"):
-        print(f"[selfspec] worker {slot} done; other workers are still running trials of study "
-              f"{s.study_name!r}: the last one to finish writes the draft", file=sys.stderr)
-        return None
-    try:
+    fail_dead_trials(study, s.liveness)
+    with holding(storage, s.study_name, "writing the draft", s.liveness) as mine:
+        if not mine:
+            print(f"[selfspec] worker {slot} done; another worker writes the draft of study {s.study_name!r}",
+                  file=sys.stderr)
+            return None
+        if running_elsewhere(study, live=s.liveness):
+            print(f"[selfspec] worker {slot} done; other workers are still running trials of study "
+                  f"{s.study_name!r}: the last one to finish writes the draft", file=sys.stderr)
+            return None
         written = study.user_attrs.get("draft_written") or {}
         if written.get("at", 0.0) > started:  # another worker of this search finished first and wrote it
             print(f"[selfspec] worker {slot} done; {written['by']} wrote the draft to {written['path']}",
@@ -154,8 +151,6 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
                          plans_dir, t_start, extra_provenance, stages, setup_seconds)
         study.set_user_attr("draft_written", {"at": time.time(), "by": WORKER, "path": report.plan_path})
         return report
-    finally:
-        release(storage, s.study_name, "writing the draft")
 
 
 def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: SearchSpace, study: optuna.Study,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from selfspec.engine.decoding import DecodeConfig
 from selfspec.errors import SelfSpecError
 from selfspec.search.space import DraftDims, SearchSpace
+from selfspec.search.workers import Liveness
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class SearchSettings:
     anchors: bool = True
     storage: str = "outputs/optuna/search.db"
     study_name: str = "search"
+    liveness: Liveness = field(default_factory=Liveness)
     cost_reps: int = 7
     batch: int = 4
     prune: bool = True

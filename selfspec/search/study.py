@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from selfspec.draft.spec import DraftSpec
@@ -34,7 +37,7 @@ from selfspec.search.rounds import RoundCounts
 from selfspec.search.settings import SearchSettings
 from selfspec.search.simulate import RoundSimulator
 from selfspec.search.space import SearchSpace
-from selfspec.search.workers import fail_dead_trials, heartbeat, open_storage, running_elsewhere
+from selfspec.search.workers import LIVENESS, Liveness, fail_dead_trials, heartbeat, open_storage, running_elsewhere
 
 
 @dataclass
@@ -68,7 +71,7 @@ class PredictedObjective:
 
 
 def open_study(storage, study_name: str, model: str, sampler: str, seed: int,
-               prune: bool = False) -> optuna.Study:
+               prune: bool = False, live: Liveness = LIVENESS) -> optuna.Study:
     """Create or resume a study in ``storage`` (a path, a URL, or an Optuna storage)."""
     if not isinstance(storage, optuna.storages.BaseStorage):
         storage = open_storage(storage)
@@ -93,7 +96,7 @@ def open_study(storage, study_name: str, model: str, sampler: str, seed: int,
     pin_study_attr(study, "model", model,
                    f"study {study_name!r} was made for model {{recorded!r}}, not {model!r}; "
                    "choose another search.study_name")
-    fail_dead_trials(study)  # left by a killed worker: they run again
+    fail_dead_trials(study, live)  # left by a killed worker: they run again
     return study
 
 
@@ -130,23 +133,36 @@ def run_search(
     n_trials: int,
     model_name: str | None = None,
     callbacks: list | None = None,
+    live: Liveness = LIVENESS,
 ) -> None:
     """Run trials until the study holds ``n_trials`` finished (complete or pruned) trials.
 
     Other workers may run trials of the same study at once: a trial starts only while
     the finished trials plus the live ones numbered before it stay under the budget, so
     the workers together never run more than ``n_trials``. A trial that finds the budget
-    taken is closed as FAIL unrun (user attribute ``not_run``); one per worker at most.
+    taken is closed as FAIL unrun (user attribute ``not_run``). While the rest of the
+    budget is other workers' running trials, this worker waits for them: one whose worker
+    dies (``live``) is marked failed, and a worker still here runs a trial in its place.
     A Ctrl-C ends the search once the trial under way is told (:func:`ctrl_c_between_trials`);
     a second one at once.
     """
     prunes = isinstance(objective, PredictedObjective)
+    said = False
     with ctrl_c_between_trials() as check:
         while True:
             check()
-            if finished(study) + running_elsewhere(study) >= n_trials or \
-                    not _one_trial(study, space, objective, model_name, prunes, n_trials, callbacks):
+            done = finished(study)
+            if done >= n_trials:
                 return
+            if done + running_elsewhere(study, live=live) >= n_trials:
+                if not said:
+                    print(f"[selfspec] the budget's last trials run on other workers: waiting for them "
+                          f"(study {study.study_name!r})", file=sys.stderr)
+                    said = True
+                time.sleep(min(2.0, live.heartbeat_s))
+                fail_dead_trials(study, live)
+                continue
+            _one_trial(study, space, objective, model_name, prunes, n_trials, callbacks, live)
 
 
 @contextmanager
@@ -181,25 +197,29 @@ def ctrl_c_between_trials() -> Iterator[Callable[[], None]]:
 
 
 def _one_trial(study: optuna.Study, space: SearchSpace, objective, model_name: str | None, prunes: bool,
-               n_trials: int, callbacks: list | None) -> bool:
+               n_trials: int, callbacks: list | None, live: Liveness) -> bool:
     """Ask, run and tell one trial; False when the budget was taken by other workers meanwhile."""
     trial = study.ask()
-    if finished(study) + running_elsewhere(study, below=trial.number) >= n_trials:
+    if finished(study) + running_elsewhere(study, below=trial.number, live=live) >= n_trials:
         trial.set_user_attr("not_run", "the trial budget was taken by other workers")
         study.tell(trial, state=TrialState.FAIL)
         return False
     try:
-        with heartbeat(trial):
+        with heartbeat(trial, live):
             value, state = _run_trial(trial, space, objective, model_name, prunes), TrialState.COMPLETE
     except optuna.TrialPruned:
         value, state = None, TrialState.PRUNED
+    except UpdateFinishedTrialError:  # failed by another worker, which heard no heartbeat for stale_after_s (a stall)
+        print(f"[selfspec] trial {trial.number} was taken for dead by another worker (no heartbeat for "
+              f"{live.stale_after_s:g} s) and marked failed; its result is dropped", file=sys.stderr)
+        return True
     except BaseException:  # a second Ctrl-C, or an error: the trial runs again on resume
-        study.tell(trial, state=TrialState.FAIL)
+        study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
         raise
-    frozen = study.tell(trial, value, state=state)
+    frozen = study.tell(trial, value, state=state, skip_if_finished=True)
     for callback in callbacks or []:
         callback(study, frozen)
-    fail_dead_trials(study)
+    fail_dead_trials(study, live)
     return True
 
 
