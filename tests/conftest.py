@@ -38,5 +38,3 @@ def model(arch):
 def make_model():
     return lambda arch, dtype=torch.float32, vocab_size=96: _model(arch, dtype, vocab_size)
 
-
-PROMPT = list(range(3, 20))

@@ -14,7 +14,7 @@ from selfspec.assets.tiny import tiny_model
 from selfspec.draft.copy import NGramIndex
 from selfspec.draft.lowbit import LowPrecisionLinear
 from selfspec.draft.path import DraftOptions, DraftPath
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 PLAN = SkipPlan(4, attn=(1,), mlp=(2,))
 

@@ -5,7 +5,6 @@ kernels is tested everywhere, by telling the code that this CPU cannot pack.
 """
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.eval.methods import build_method
 from selfspec.kernels import packed as packed_module
 from selfspec.kernels.packed import PackedLinear, packing_supported, weight_packer
-from tests.conftest import PROMPT
+from tests.helpers import CONF, PROMPT
 
 needs_packing = pytest.mark.skipif(not packing_supported(), reason="this CPU's oneDNN cannot prepack bf16 weights "
                                    "(that needs AVX-512 bw/vl/dq or AVX-NE-CONVERT)")
@@ -405,7 +404,7 @@ def test_the_padded_width_defaults_to_the_cpus(monkeypatch, fmt, rows):
 
     monkeypatch.setattr(packed_module, "pack_format", lambda: fmt)
     assert DecodeConfig().rows == rows
-    cfg = OmegaConf.load(Path(__file__).parents[1] / "conf" / "decoding" / "default.yaml")
+    cfg = OmegaConf.load(CONF / "decoding" / "default.yaml")
     assert cfg.rows is None  # the config leaves it to the CPU
     assert decode_config(OmegaConf.create({"decoding": cfg}), 16, None).rows == rows
     cfg.rows = 4

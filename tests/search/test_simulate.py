@@ -10,7 +10,7 @@ from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.spec import DraftSpec
 from selfspec.search.rounds import RoundCounts, decode_config_of
 from selfspec.search.simulate import RoundSimulator
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 N_LAYERS = 4
 SPECS = {

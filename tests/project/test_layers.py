@@ -7,7 +7,9 @@ A module may import its own package and any package below it, never one above (t
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "selfspec"
+from tests import helpers
+
+ROOT = helpers.ROOT / "selfspec"
 LEVEL = {"errors": 0, "typed": 0, "locks": 0, "model": 1, "assets": 2, "kernels": 3, "engine": 4, "draft": 4,
          "provenance": 4, "search": 5, "eval": 5, "cli": 6, "inspect": 6, "generate": 6, "tables": 6}
 LIMIT = 400  # lines a module may have (C++ aside)

@@ -5,9 +5,10 @@ import re
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 WHERE = ["README.md", "docs", "results", "conf", "selfspec", "scripts", "tests", "experiments", "pyproject.toml"]
-SKIP = re.compile(r"^(results/(runs|optuna|plans)/|tests/test_project_text\.py$)")  # raw results; this file names the patterns
+SKIP = re.compile(r"^(results/(runs|optuna|plans)/|tests/project/test_project_text\.py$)")  # raw results; this file names the patterns
 FORBIDDEN = re.compile(
     r"\bsessions?\b"                                   # a period of work
     r"|\b(?:issues?|goals?|tasks?) #?\d+"                # a tracker's numbers

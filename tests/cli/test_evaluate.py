@@ -26,9 +26,7 @@ from selfspec.eval.tables import (
     write_methods_overview,
     write_tables,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
-CONF = ROOT / "conf"
+from tests.helpers import CONF, ROOT
 
 
 def _options(group: str) -> list[str]:

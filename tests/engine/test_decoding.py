@@ -7,7 +7,7 @@ from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.sampling import SamplingParams
 from selfspec.engine.speculate import Speculator
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 N = 4  # layers of the tiny models
 

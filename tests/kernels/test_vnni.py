@@ -9,7 +9,7 @@ from selfspec.draft.lowbit import LowPrecisionLinear, int4_kernel, quantize, qua
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.kernels import reset_kernels, vnni
 from selfspec.model.wrap import wrap_descendants
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 needs_vnni = pytest.mark.skipif(not vnni.available(), reason=f"VNNI int4 kernel: {vnni.unavailable_reason()}")
 

@@ -8,7 +8,7 @@ from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.errors import SelfSpecError
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 N = 4
 PLANS = [SkipPlan(N, attn=(1,), mlp=(2,)), SkipPlan(N, attn=(0, 2), mlp=(1, 3)), SkipPlan.whole_layers(N, [3])]

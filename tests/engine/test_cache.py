@@ -7,7 +7,7 @@ from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.decoding import Request
 from selfspec.engine.speculate import Speculator
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 
 def _full_cache_keys(model, tokens):

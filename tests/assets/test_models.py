@@ -25,7 +25,7 @@ from selfspec.assets.fetch import PackagedFile, fetch_packaged_file
 from selfspec.assets.models import encode_prompt, load_model
 from selfspec.errors import AssetError
 from selfspec.locks import check_writable, waiting
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 
 def test_unknown_model_name():

@@ -7,7 +7,7 @@ from selfspec.assets.tiny import tiny_model
 from selfspec.cli.show import legend, render
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.decoding import SOURCES
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 PLAN = SkipPlan(4, attn=(1,), mlp=(2,))
 

@@ -11,7 +11,7 @@ from selfspec.assets.tiny import tiny_model
 from selfspec.engine import attention as attn
 from selfspec.errors import SelfSpecError
 from selfspec.eval.records import decode_record
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 
 class _Module(torch.nn.Module):  # what transformers' attention functions read from the layer

@@ -10,7 +10,7 @@ from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.kernels import vnni
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 pytestmark = pytest.mark.skipif(not vnni.available(), reason=f"VNNI int4 kernel: {vnni.unavailable_reason()}")
 

@@ -20,8 +20,8 @@ from selfspec.eval.methods import OPTIONS
 from selfspec.eval.runner import EvalSettings
 from selfspec.search.settings import SearchSettings
 from selfspec.typed import defaults, typed
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "selfspec"
 ENTRY_ONLY = ("hydra", "omegaconf", "wandb")
 SHIMS = {"__main__.py", "generate.py", "tables.py"}  # `python -m selfspec.<x>` hand over to selfspec.cli

@@ -1,11 +1,12 @@
 """Every results file is valid for any reader: strict JSON (no NaN or Infinity), one object a line in JSONL."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+from tests.helpers import ROOT
+
+RESULTS = ROOT / "results"
 
 
 def _refuse(constant: str):

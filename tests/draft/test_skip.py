@@ -6,7 +6,7 @@ import torch
 from selfspec import PlanError, SkipPlan, layer_skipper
 from selfspec.assets.tiny import tiny_model
 from selfspec.draft.skip import SkippableSublayer
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 
 def _logits(model):

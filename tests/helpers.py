@@ -1,0 +1,39 @@
+"""What several test files share that is not a fixture: the repository's folders, a prompt, an entry point run in
+this process."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+CONF = ROOT / "conf"
+
+PROMPT = list(range(3, 20))
+
+
+def run_main(main: Callable[[], object], *args: str) -> int:
+    """Run a Hydra entry point's ``main`` in this process with ``args`` as its command line; its exit status.
+
+    What it prints reaches ``capsys``. Hydra points the root logger at the run folder and at the stream it found:
+    both are put back, so that a later test logs nowhere it closed."""
+    argv, handlers, level = sys.argv, logging.root.handlers[:], logging.root.level
+    sys.argv = [main.__module__, *args]
+    try:
+        main()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+        for handler in logging.root.handlers[:]:
+            if handler not in handlers:
+                logging.root.removeHandler(handler)
+                handler.close()
+        for handler in handlers:
+            if handler not in logging.root.handlers:
+                logging.root.addHandler(handler)
+        logging.root.setLevel(level)
+    return 0
+
