@@ -13,6 +13,10 @@ CONF = ROOT / "conf"
 
 PROMPT = list(range(3, 20))
 
+# a HumanEval row: what the task set loads and what the scorer runs
+HUMANEVAL_REF = {"prompt": 'def add(a, b):\n    """Return a + b."""\n', "entry_point": "add",
+                 "test": "def check(f):\n    assert f(1, 2) == 3\n    assert f(-1, 1) == 0\n"}
+
 
 def run_main(main: Callable[[], object], *args: str) -> int:
     """Run a Hydra entry point's ``main`` in this process with ``args`` as its command line; its exit status.

@@ -1,9 +1,10 @@
-"""Greedy self-speculative decoding is token-identical to greedy autoregressive decoding."""
+"""Greedy self-speculative decoding is token-identical to greedy autoregressive decoding; bad arguments are one clear
+error."""
 
 import pytest
 import torch
 
-from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
+from selfspec import DecodeConfig, SelfSpecError, SkipPlan, autoregressive, self_speculative
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.sampling import SamplingParams
 from selfspec.engine.speculate import Speculator
@@ -190,3 +191,14 @@ def test_stats_summary_is_consistent(model):
     assert s["total_time_s"] >= s["ttft_s"] > 0
     assert s["draft_time_s"] > 0 and s["verify_time_s"] > 0
     assert len(sp.stats.token_latencies) == 24  # every token after the first
+
+
+def test_decode_argument_errors(model):
+    with pytest.raises(SelfSpecError, match="k .* >= 1"):
+        DecodeConfig(k=0)
+    with pytest.raises(SelfSpecError, match="max_new_tokens"):
+        DecodeConfig(max_new_tokens=-1)
+    with pytest.raises(SelfSpecError, match="prompt is empty"):
+        autoregressive(model, [], DecodeConfig())
+    with pytest.raises(SelfSpecError, match="more than the model's context of 512"):
+        self_speculative(model, list(range(3, 90)) * 6, SkipPlan(4), DecodeConfig(max_new_tokens=10))

@@ -1,10 +1,9 @@
-"""Each emitted token says where it came from, and the generate command shows it."""
+"""Each emitted token says where it came from."""
 
 import pytest
 
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.assets.tiny import tiny_model
-from selfspec.cli.show import legend, render
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.decoding import SOURCES
 from tests.helpers import PROMPT
@@ -30,12 +29,3 @@ def test_sources_follow_the_rounds(candidates):
     assert sp.stats.copy_rounds > 0
     if candidates == 1:  # on this model and prompt some copied tokens are accepted (checked once, deterministic)
         assert sp.sources.count("copy") > 0
-
-
-def test_render_marks_runs_of_one_source():
-    texts, sources = ["def", " f", "(x)", ":", "\n  return"], ["step", "copy", "copy", "draft", "verify"]
-    assert render(texts, sources, color=False) == "def[ f(x)]{:}<\n  return>"
-    colored = render(texts, sources, color=True)
-    assert "\033[44;97m f(x)\033[0m" in colored and colored.startswith("def")
-    assert "\033[43;30m\033[0m\n\033[43;30m  return\033[0m" not in colored  # a newline is never coloured
-    assert "copied from the context: 2" in legend(sources, color=False)

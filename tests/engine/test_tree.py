@@ -162,7 +162,7 @@ def test_eos_inside_a_branch(model):
 
 
 def test_sampling_verifies_trees_without_a_warning(make_model):
-    """Sampling runs verify trees too (their distribution: tests/test_sampling.py)."""
+    """Sampling runs verify trees too (their distribution: tests/engine/test_sampling.py)."""
     model = make_model("llama")
     for name in ("copy", "fallback_branch_small_budget"):
         tree_rounds = 0

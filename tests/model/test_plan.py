@@ -1,10 +1,11 @@
-"""SkipPlan validation and JSON round trip."""
+"""SkipPlan validation, JSON round trip, a plan made for another model."""
 
 import json
 
 import pytest
 
-from selfspec import PlanError, SkipPlan
+from selfspec import DecodeConfig, PlanError, SkipPlan, self_speculative
+from tests.helpers import PROMPT
 
 
 def test_json_round_trip(tmp_path):
@@ -44,3 +45,10 @@ def test_bad_files(tmp_path):
     bad.write_text('{"format": "other"}')
     with pytest.raises(PlanError, match="not a selfspec skip plan"):
         SkipPlan.load(bad)
+
+
+def test_plan_errors(model):
+    with pytest.raises(PlanError, match="every sublayer"):
+        SkipPlan(4, attn=(0, 1, 2, 3), mlp=(0, 1, 2, 3))
+    with pytest.raises(PlanError, match="made for a 30-layer model"):
+        self_speculative(model, PROMPT, SkipPlan(30, attn=(1,)), DecodeConfig())

@@ -8,7 +8,8 @@ from pathlib import Path
 from tests.helpers import ROOT
 
 WHERE = ["README.md", "docs", "results", "conf", "selfspec", "scripts", "tests", "experiments", "pyproject.toml"]
-SKIP = re.compile(r"^(results/(runs|optuna|plans)/|tests/project/test_project_text\.py$)")  # raw results; this file names the patterns
+# raw results; this file names the patterns
+SKIP = re.compile(r"^(results/(runs|optuna|plans)/|tests/project/test_project_text\.py$)")
 FORBIDDEN = re.compile(
     r"\bsessions?\b"                                   # a period of work
     r"|\b(?:issues?|goals?|tasks?) #?\d+"                # a tracker's numbers
