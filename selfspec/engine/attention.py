@@ -78,14 +78,19 @@ def _register() -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
+def implementation(model) -> str | None:
+    """The attention implementation ``model`` (or a layer that holds its config) runs now: ``sdpa``, ``eager``,
+    :data:`NAME` inside :func:`decode_attention`; transformers keeps it in the config's ``_attn_implementation``."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
 @contextmanager
 def decode_attention(model, on: bool = True) -> Iterator[None]:
     """Inside the block, ``model`` (one instance) attends through :func:`attention_forward` where it ran SDPA.
 
     A model on another implementation (eager, flex) keeps it; nested blocks are one.
     """
-    config = getattr(model, "config", None)
-    before = getattr(config, "_attn_implementation", None)
+    before = implementation(model)
     if not on or before != "sdpa" or not hasattr(model, "set_attn_implementation"):
         yield
         return

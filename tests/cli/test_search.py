@@ -217,12 +217,13 @@ def test_two_workers_share_one_study(tmp_path, storage):
     err = "".join(e for _, e in outs)
     assert err.count("calibrating:") == 1 and err.count("measuring the cost model") == 1, err
     assert sum("best draft" in o for o, _ in outs) == 1 and err.count("worker") >= 1
-    study = optuna.load_study(study_name="tiny-llama-default", storage=workers.open_storage(tmp_path / "optuna" / storage))
+    store = workers.open_storage(tmp_path / "optuna" / storage)
+    study = optuna.load_study(study_name="tiny-llama-default", storage=store)
     assert finished(study) == 24
     unrun = study.get_trials(states=(optuna.trial.TrialState.FAIL,))
     assert len(unrun) <= 1 and all("not_run" in t.user_attrs for t in unrun)
     assert DraftSpec.load(tmp_path / "plans" / "tiny-llama-default.json").plan.num_layers == 4
-    assert optuna.get_all_study_names(study._storage) == ["tiny-llama-default"]  # slots and claims given back
+    assert optuna.get_all_study_names(store) == ["tiny-llama-default"]  # slots and claims given back
 
 
 

@@ -63,18 +63,18 @@ def test_what_it_does_not_cover_is_sdpas_own():
 
 def test_switched_per_instance_inside_the_block():
     a, b = tiny_model("llama", vocab_size=96), tiny_model("qwen2", vocab_size=96)
-    assert a.config._attn_implementation == b.config._attn_implementation == "sdpa"
+    assert attn.implementation(a) == attn.implementation(b) == "sdpa"
     with attn.decode_attention(a):
-        assert a.config._attn_implementation == attn.NAME and b.config._attn_implementation == "sdpa"
+        assert attn.implementation(a) == attn.NAME and attn.implementation(b) == "sdpa"
         with attn.decode_attention(a):  # nested: one
             pass
-        assert a.config._attn_implementation == attn.NAME
-    assert a.config._attn_implementation == "sdpa"
+        assert attn.implementation(a) == attn.NAME
+    assert attn.implementation(a) == "sdpa"
     with attn.decode_attention(a, on=False):
-        assert a.config._attn_implementation == "sdpa"
+        assert attn.implementation(a) == "sdpa"
     a.set_attn_implementation("eager")  # another implementation is left alone
     with attn.decode_attention(a):
-        assert a.config._attn_implementation == "eager"
+        assert attn.implementation(a) == "eager"
     a.set_attn_implementation("sdpa")
 
 
@@ -85,7 +85,7 @@ def test_decoding_attends_through_it_and_emits_the_same_tokens(arch):
     model = tiny_model(arch, dtype=torch.float64, vocab_size=96)
     seen = []
     layer = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
-    layer.register_forward_pre_hook(lambda mod, args: seen.append(mod.config._attn_implementation))
+    layer.register_forward_pre_hook(lambda mod, args: seen.append(attn.implementation(mod)))
     cfg = DecodeConfig(max_new_tokens=60, k=3, fallback=False)
     sdpa = autoregressive(model, PROMPT, replace(cfg, attention="sdpa"))
     assert set(seen) == {"sdpa"}
@@ -94,7 +94,7 @@ def test_decoding_attends_through_it_and_emits_the_same_tokens(arch):
     assert set(seen) == {attn.NAME} and ours.tokens == sdpa.tokens
     spec = self_speculative(model, PROMPT, SkipPlan(4, attn=(1,), mlp=(2,)), cfg)
     assert spec.tokens == sdpa.tokens
-    assert model.config._attn_implementation == "sdpa"  # as loaded once the block is left
+    assert attn.implementation(model) == "sdpa"  # as loaded once the block is left
 
 
 def test_the_setting_is_checked_and_recorded():

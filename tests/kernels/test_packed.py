@@ -17,6 +17,7 @@ from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.errors import SelfSpecError
 from selfspec.eval.methods import build_method
 from selfspec.kernels import packed as packed_module
+from selfspec.kernels import reset_kernels
 from selfspec.kernels.packed import PackedLinear, packing_supported, weight_packer
 from tests.helpers import CONF, PROMPT
 
@@ -201,7 +202,7 @@ def _as_on_a_cpu_that_packs(monkeypatch, fmt):
     monkeypatch.setattr(packed_module, "packing_supported", lambda: False)
     for module in (packed_module, records):
         monkeypatch.setattr(module, "pack_format", lambda: fmt)
-    packed_module._say_unpacked.cache_clear()
+    reset_kernels()  # the notice of the kernels that run is said again
 
 
 def test_a_cpu_that_cannot_pack_bf16_runs_every_method_on_the_stock_kernels(monkeypatch, capsys):
@@ -264,7 +265,7 @@ def test_where_bf16_cannot_be_packed_forwards_of_three_rows_or_more_run_on_fp32_
     assert all(torch.equal(restored[n], dense[n]) and restored[n].dtype == torch.bfloat16 for n in dense)
 
 
-@pytest.mark.skipif(not packed_module._fbgemm_fp16(), reason="no fbgemm fp16 kernel in this torch build")
+@pytest.mark.skipif(not packed_module.fbgemm_fp16(), reason="no fbgemm fp16 kernel in this torch build")
 @pytest.mark.parametrize("kernel", ["fbgemm", "panels"])
 def test_where_bf16_cannot_be_packed_but_fbgemm_runs_every_forward_uses_exact_fp16_copies(monkeypatch, capsys, kernel):
     from selfspec.eval import records

@@ -97,7 +97,7 @@ def test_the_fp16_kernel_loads_as_the_int4_one(monkeypatch, env, flags, reason):
     monkeypatch.setenv(fp16.ENV, env)
     monkeypatch.setattr(vnni.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(vnni, "cpu_flags", lambda: set(flags))
-    monkeypatch.setattr(fp16, "_build", lambda: built.append(1) or object())
+    monkeypatch.setattr(fp16, "build", lambda: built.append(1) or object())
     try:
         assert not fp16.available() and fp16.unavailable_reason() == reason and built == []
         with pytest.raises(RuntimeError, match="does not run here"):
@@ -120,7 +120,7 @@ def test_the_build_follows_the_cpu_flags(monkeypatch, flags, build):
     monkeypatch.delenv(vnni.ENV, raising=False)
     monkeypatch.setattr(vnni.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(vnni, "cpu_flags", lambda: set(flags))
-    monkeypatch.setattr(vnni, "_build", lambda name: built.append(name) or object())
+    monkeypatch.setattr(vnni, "build", lambda name: built.append(name) or object())
     try:
         assert vnni.isa() == build and vnni.available() == (build is not None)
         assert built == ([build] if build else [])
@@ -149,7 +149,7 @@ def test_a_background_build_runs_once_and_callers_wait_for_it(monkeypatch):
     monkeypatch.delenv(vnni.ENV, raising=False)
     monkeypatch.setattr(vnni.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(vnni, "cpu_flags", lambda: {"fma", "avx2"})
-    monkeypatch.setattr(vnni, "_build", slow_build)
+    monkeypatch.setattr(vnni, "build", slow_build)
     try:
         thread = vnni.build_in_background()
         assert started.wait(10)
