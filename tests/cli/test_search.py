@@ -27,10 +27,8 @@ def _cli(tmp_path, *overrides, **kw):
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw)
 
 
-
 def _study(tmp_path):
     return optuna.load_study(study_name="tiny-llama-default", storage=f"sqlite:///{tmp_path}/optuna/study.db")
-
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +39,6 @@ def two_trial_study(tmp_path_factory):
     return base / "optuna" / "study.db"
 
 
-
 @pytest.fixture
 def resumable(tmp_path, two_trial_study):
     """This test's own copy of the shared 2-trial study, where `_cli(tmp_path, ...)` finds it."""
@@ -49,7 +46,6 @@ def resumable(tmp_path, two_trial_study):
     shutil.copyfile(two_trial_study, tmp_path / "optuna" / "study.db")
     assert finished(_study(tmp_path)) == 2
     return tmp_path
-
 
 
 def test_cli_end_to_end_with_offline_wandb(tmp_path):
@@ -82,7 +78,6 @@ def test_cli_end_to_end_with_offline_wandb(tmp_path):
     assert [quick.spec_of(t.params) for t in study.trials[:2]] == quick.anchors()  # search.anchors: on by default
 
 
-
 def test_predictions_beside_measurements_replay_the_timed_runs_exactly_in_fp64(tmp_path):
     # the report sets each prediction beside a measurement of the same prompts and continuations: in fp64
     # the simulated rounds are the real ones, so acceptance and tokens per round agree to rounding
@@ -105,7 +100,6 @@ def test_predictions_beside_measurements_replay_the_timed_runs_exactly_in_fp64(t
         assert p["acceptance"] == pytest.approx(m["acceptance"], abs=1e-9, nan_ok=True), pair
     assert sum(pair["measured"]["tokens_per_round"] > 1.0 for pair in pairs) >= 2  # some rounds accepted copies
     assert "on the timed prompts" in out
-
 
 
 def test_cli_killed_midway_resumes(tmp_path):
@@ -133,7 +127,6 @@ def test_cli_killed_midway_resumes(tmp_path):
     assert "trials      " in out
 
 
-
 def test_cli_bad_input(tmp_path):
     proc = _cli(tmp_path, "logger=none", "search.min_skipped=99")
     _, err = proc.communicate(timeout=120)
@@ -143,12 +136,10 @@ def test_cli_bad_input(tmp_path):
     assert proc.returncode != 0 and "no-such-set" in err
 
 
-
 def test_resume_with_other_calibration_refused(resumable):
     proc = _cli(resumable, "logger=none", "search.n_trials=3", "search.calibration_tokens=10")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "other calibration prompts or settings" in err
-
 
 
 def test_cli_remeasures_costs_on_another_machine_and_says_so(resumable):
@@ -170,7 +161,6 @@ def test_cli_remeasures_costs_on_another_machine_and_says_so(resumable):
     assert _study(tmp_path).user_attrs["calibration_data"]["costs"]["version"] == COST_MODEL_VERSION
 
 
-
 def test_a_torn_calibration_file_of_an_older_study_is_calibrated_again(resumable):
     tmp_path = resumable
     study = _study(tmp_path)  # as an older selfspec left it: the calibration in a file beside the study
@@ -188,7 +178,6 @@ def test_a_torn_calibration_file_of_an_older_study_is_calibrated_again(resumable
     assert _study(tmp_path).user_attrs["calibration_data"]["continuations"] == saved["continuations"]
 
 
-
 @pytest.mark.parametrize("override, message", [
     pytest.param("search.max_skipped=2", "searched another space", marks=pytest.mark.slow),
     ("search.objective=wallclock", "was scored by objective")])
@@ -197,14 +186,12 @@ def test_cli_refuses_to_resume_under_other_scoring_settings(resumable, override,
     assert message in err
 
 
-
 def test_a_study_of_the_older_format_is_refused(tmp_path):
     study = open_study(tmp_path / "optuna" / "study.db", "tiny-llama-default", "tiny-llama", "tpe", 0)
     study.enqueue_trial({"attn_1": 1})
     study.tell(study.ask(), 1.0)
     _, err = _cli(tmp_path, "logger=none", "search.n_trials=3").communicate(timeout=300)
     assert "made by an older selfspec" in err
-
 
 
 @pytest.mark.parametrize("storage", ["study.db", pytest.param("study.journal", marks=pytest.mark.slow)])
@@ -224,7 +211,6 @@ def test_two_workers_share_one_study(tmp_path, storage):
     assert len(unrun) <= 1 and all("not_run" in t.user_attrs for t in unrun)
     assert DraftSpec.load(tmp_path / "plans" / "tiny-llama-default.json").plan.num_layers == 4
     assert optuna.get_all_study_names(store) == ["tiny-llama-default"]  # slots and claims given back
-
 
 
 def test_ctrl_c_during_the_search_is_one_clean_message(tmp_path):
@@ -247,7 +233,6 @@ def test_ctrl_c_during_the_search_is_one_clean_message(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted: finished trials are saved" in err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
-
 
 
 def test_a_misspelt_new_key_is_refused(tmp_path):

@@ -1,7 +1,6 @@
 """The search figures' importances: the parameter that drives the score, ties in the CSV ordered by name."""
 
 
-
 def test_search_importance_names_the_parameter_that_drives_the_score(tmp_path):
     import numpy as np
     import optuna
@@ -29,7 +28,6 @@ def test_search_importance_names_the_parameter_that_drives_the_score(tmp_path):
     assert tmp_path / "figures" / "search_importance.png" in written
     rows = (tmp_path / "figures" / "search_importance.csv").read_text().splitlines()
     assert rows[0] == "study,parameter,dimension,importance" and rows[1].startswith("s,attn_3,attention skips,")
-
 
 
 def test_searchimportance_csv_orders_ties_by_name(tmp_path):

@@ -38,7 +38,6 @@ def test_transformers_methods_run_on_our_kernels_or_on_stock_ones_with_the_same_
         assert calls and set(calls) == {active}  # which kernels ran
 
 
-
 def test_transformers_methods_sample_with_the_runs_settings_and_seed():
     from selfspec.assets.models import load_model
     from selfspec.engine.sampling import SamplingParams
@@ -59,7 +58,6 @@ def test_transformers_methods_sample_with_the_runs_settings_and_seed():
         for only_top in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
             top = build_method(name, lm, replace(hot, sampling=only_top), options=options).generate(ids)
             assert top.tokens == greedy  # the filters reach generate(): keeping one token is greedy
-
 
 
 def test_assisted_and_early_exit_take_their_draft_length_for_each_call_only():
@@ -86,7 +84,6 @@ def test_assisted_and_early_exit_take_their_draft_length_for_each_call_only():
     assert {k: early.info[k] for k in length} == length and early.info["exit_layer"] == 2
     assisted = build_method("hf_assisted", lm, cfg, options={"assistant": "tiny-llama", **length})
     assert assisted.generate(ids).tokens == want and assisted.info["num_tokens"] == 3
-
 
 
 @pytest.mark.parametrize("options, message", [({"schedule": "heuristic"}, "carries its draft length"),

@@ -18,7 +18,6 @@ def test_humaneval_scorer_runs_the_tests_in_a_subprocess():
     assert not humaneval_passes("```python\ndef add(a, b):\n    return (a +\n```", HUMANEVAL_REF)  # cut off
 
 
-
 def test_gsm8k_scorer_and_rouge_l():
     from selfspec.eval.quality import gsm8k_correct, quality, rouge_l
 

@@ -20,7 +20,6 @@ def test_the_paired_bootstrap_on_a_fixed_sample():
     assert all(math.isnan(x) for x in paired_bootstrap(mine[:1], base))  # one pair: no interval
 
 
-
 def test_tables_name_the_kernels_and_older_transformers_rows_ran_stock(tmp_path):
     head = {"type": "header", "model": "m", "dataset": "d", "baseline": "autoregressive",
             "fingerprint": {"methods": ["autoregressive", "hf_generate", "hf_prompt_lookup"],
@@ -41,14 +40,12 @@ def test_tables_name_the_kernels_and_older_transformers_rows_ran_stock(tmp_path)
                    "hf_prompt_lookup": "packed + decode attn"}
 
 
-
 def _row(sample, method, tokens, time_s, drafted=0, accepted=0, rounds=0, sha="same", pos=None):
     return {"type": "sample", "sample_id": sample, "method": method, "turns": 1, "new_tokens": tokens,
             "wall_time_s": time_s, "tokens_per_s": tokens / time_s, "ttft_s": 0.1, "tpot_s": 0.05,
             "token_latencies_s": [time_s / tokens] * tokens, "rounds": rounds, "drafted": drafted,
             "accepted": accepted, "drafted_per_position": pos[0] if pos else [],
             "accepted_per_position": pos[1] if pos else [], "output_sha256": sha}
-
 
 
 def _counters_row(row):
@@ -60,7 +57,6 @@ def _counters_row(row):
                         token_latencies=row["token_latencies_s"])
     return {"type": "sample", "sample_id": row["sample_id"], "method": row["method"], "turns": 1,
             "counters": stats.counters(), "output_sha256": row["output_sha256"]}
-
 
 
 @pytest.mark.parametrize("row_format", ["counters", "legacy"])
@@ -104,7 +100,6 @@ def test_table_builder_numbers(tmp_path, row_format):
     assert (tmp_path / "tables" / "methods.csv").read_text().splitlines()[0] == "run,model,method,d,mean"
 
 
-
 def test_tables_show_each_pass_and_the_drift_of_a_run_of_several_passes(tmp_path):
     head = {"type": "header", "model": "m", "dataset": "d", "baseline": "autoregressive",
             "fingerprint": {"methods": ["autoregressive", "self_speculative"],
@@ -124,7 +119,6 @@ def test_tables_show_each_pass_and_the_drift_of_a_run_of_several_passes(tmp_path
     assert "| passes | speedup per pass | drift |" in md and "| 2 | 2.00-2.50x | +0% |" in md and "| -20% |" in md
     # a table of single-pass runs keeps its old columns
     assert "passes" not in to_markdown([dict(ar, reps=1, pass_speedups=None, drift=float("nan"))])
-
 
 
 def test_tables_compare_our_methods_with_the_fastest_peer_paired_by_prompt(tmp_path):

@@ -12,7 +12,6 @@ def _inspect(name: str, *args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=300)
 
 
-
 def test_round_costs_sets_measured_parts_beside_the_cost_models(tmp_path, tiny_study):
     out = tmp_path / "costs.jsonl"
     p = _inspect("round-costs", str(tiny_study), "--name", "tiny-llama-default", "--top", "2", "--prompts", "2",
@@ -37,7 +36,6 @@ def test_round_costs_sets_measured_parts_beside_the_cost_models(tmp_path, tiny_s
     assert "seconds measured / modelled" in p.stdout
 
 
-
 def test_overhead_spread_measures_the_loop_overheads_again_and_again(tmp_path, tiny_study):
     out = tmp_path / "spread.jsonl"
     p = _inspect("overhead-spread", str(tiny_study), "--name", "tiny-llama-default", "--times", "2", "--reps", "1",
@@ -49,7 +47,6 @@ def test_overhead_spread_measures_the_loop_overheads_again_and_again(tmp_path, t
         values = [t[k] for t in row["times"]]
         assert row["spread"][k]["min"] == min(values) and row["spread"][k]["max"] == max(values)
     assert "verify_ms: sd" in p.stdout
-
 
 
 def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, tiny_study):
@@ -68,7 +65,6 @@ def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, tiny_study):
         assert rows[label]["tokens_per_round"] >= chain["tokens_per_round"]
         assert rows[label]["decode_speedup"] >= chain["decode_speedup"] * 0.999
     assert record["summary"]["chain"]["tokens_gain"] == 1.0 and "oracle" in p.stdout
-
 
 
 def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path):

@@ -26,7 +26,6 @@ def test_ablation_rows():
     assert leave_one_out["without copy drafting"].options.ngram == 0
 
 
-
 def test_a_skip_free_draft_is_ablated_against_the_papers_layer_skip_draft():
     found = DraftSpec(SkipPlan(6), DraftOptions(weights="int4", group_size=128, head_weights="int4", ngram=3,
                                                 copy_tokens=10), k=3)
@@ -43,7 +42,6 @@ def test_a_skip_free_draft_is_ablated_against_the_papers_layer_skip_draft():
         cumulative_variants(found, DraftSpec(SkipPlan(8, attn=(2,)), k=2))
 
 
-
 def test_shorter_copies_are_a_lever_of_their_own(tmp_path):
     spec = FULL.replace(options=DraftOptions(weights="int4", group_size=128, head_tokens=16384, ngram=3, min_ngram=1,
                                              copy_tokens=10))
@@ -54,7 +52,6 @@ def test_shorter_copies_are_a_lever_of_their_own(tmp_path):
     assert rows["without shorter copies"].options.min_ngram == 0 and rows["without shorter copies"].options.ngram == 3
     assert rows["without copy drafting"].options.ngram == 0 == rows["without copy drafting"].options.min_ngram
     assert dict(cumulative_variants(spec))["plus_cut_head"].options.min_ngram == 0
-
 
 
 def test_a_copy_only_draft_is_ablated_against_the_model_draft(tmp_path):
