@@ -1,7 +1,10 @@
 """Every config composes: each experiment, each option of each group in both entry points, the tasks mix."""
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
+from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 from tests.helpers import CONF
 
@@ -15,7 +18,7 @@ def test_every_experiment_composes(experiment):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="evaluate", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
     assert cfg.name == experiment
-    assert cfg.hydra.mode is not None  # every experiment file is a sweep
+    assert cfg.hydra.mode == RunMode.MULTIRUN  # every experiment file is a sweep
     assert cfg.hydra.sweeper.params
 
 
@@ -27,7 +30,10 @@ def test_every_group_option_composes_in_both_entry_points(group):
                 if entry == "search" and group == "decoding":
                     continue
                 cfg = compose(config_name=entry, overrides=[f"{group}={option}"])
-                assert cfg[group] is not None
+                # the file it names, under what the entry point's own config sets in the group (evaluate: logger.dir)
+                own = yaml.safe_load((CONF / f"{entry}.yaml").read_text()).get(group) or {}
+                want = {**yaml.safe_load((CONF / group / f"{option}.yaml").read_text()), **own}
+                assert OmegaConf.to_container(cfg[group]) == want, f"{entry}: {group}={option}"
 
 
 def test_the_tasks_mix_composes_from_the_four_sets():

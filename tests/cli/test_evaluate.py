@@ -11,6 +11,7 @@ import pytest
 from selfspec import SkipPlan
 from selfspec.cli.tables import main as tables_main
 from selfspec.eval.tables import load_runs, methods_overview, write_tables
+from selfspec.provenance import git_commit
 from tests.helpers import ROOT
 
 
@@ -36,7 +37,8 @@ def test_sweep_writes_jsonl_wandb_and_a_table(tmp_path, tiny_plan):
     for f in files:
         lines = [json.loads(l) for l in f.read_text().splitlines()]
         head, rows = lines[0], lines[1:]
-        assert head["type"] == "header" and head["provenance"]["git_commit"] is not None
+        # the checkout's commit, or null where the code runs outside a git checkout
+        assert head["type"] == "header" and head["provenance"]["git_commit"] == git_commit(ROOT)
         assert head["provenance"]["config"]["dataset"]["name"] == "tiny"
         assert len(rows) == 3 * 2  # 3 eval samples x 2 methods
         two_turns = [r for r in rows if r["turns"] == 2]
@@ -82,8 +84,8 @@ def test_sweeps_on_parallel_launchers(tmp_path, tiny_plan, launcher):
     for k in (2, 3):
         job = runs / f"x/tiny-llama/tiny/decoding.k={k}"
         head = json.loads((job / "samples.jsonl").read_text().splitlines()[0])
-        assert head["provenance"]["machine"]["torch_threads"] == max(1, (os.cpu_count() or 1) // 2) \
-            if launcher == "joblib" else 1
+        threads = max(1, (os.cpu_count() or 1) // 2) if launcher == "joblib" else 1  # cores shared by 2 jobs; or 1 each
+        assert head["provenance"]["machine"]["torch_threads"] == threads
         assert (job / ".hydra" / "overrides.yaml").is_file()
 
 
