@@ -47,6 +47,7 @@ def tiny_study(tmp_path_factory) -> Path:
     from selfspec.cli.search import main
 
     root = tmp_path_factory.mktemp("study")
-    assert run_main(main, "model=tiny-llama", "search=quick", "logger=none", f"search.storage={root}/study.db",
-                    f"plans_dir={root}/plans", f"hydra.run.dir={root}/hydra") == 0
+    search = run_main(main, "model=tiny-llama", "search=quick", "logger=none", f"search.storage={root}/study.db",
+                      f"plans_dir={root}/plans", f"hydra.run.dir={root}/hydra")
+    assert search.returncode == 0
     return root / "study.db"

@@ -4,6 +4,7 @@ this process."""
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,17 +19,20 @@ HUMANEVAL_REF = {"prompt": 'def add(a, b):\n    """Return a + b."""\n', "entry_p
                  "test": "def check(f):\n    assert f(1, 2) == 3\n    assert f(-1, 1) == 0\n"}
 
 
-def run_main(main: Callable[[], object], *args: str) -> int:
-    """Run a Hydra entry point's ``main`` in this process with ``args`` as its command line; its exit status.
+def run_main(main: Callable[..., object], *args: str, capsys=None) -> subprocess.CompletedProcess:
+    """An entry point's ``main`` run in this process with ``args`` as its command line (``sys.argv`` for a Hydra
+    entry point, the argument list for one that takes it), as a finished process: its exit status and, with pytest's
+    ``capsys``, what it printed.
 
-    What it prints reaches ``capsys``. Hydra points the root logger at the run folder and at the stream it found:
-    both are put back, so that a later test logs nowhere it closed."""
+    Hydra points the root logger at the run folder and at the stream it found: both are put back, so that a later
+    test logs nowhere that was closed."""
     argv, handlers, level = sys.argv, logging.root.handlers[:], logging.root.level
     sys.argv = [main.__module__, *args]
     try:
-        main()
+        hydra = hasattr(main, "__wrapped__")  # a @hydra.main function reads sys.argv; the others take their argv
+        code = main() if hydra else main(list(args))
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = e.code
     finally:
         sys.argv = argv
         for handler in logging.root.handlers[:]:
@@ -39,5 +43,7 @@ def run_main(main: Callable[[], object], *args: str) -> int:
             if handler not in logging.root.handlers:
                 logging.root.addHandler(handler)
         logging.root.setLevel(level)
-    return 0
+    code = code if isinstance(code, int) else (0 if code is None else 1)
+    out, err = capsys.readouterr() if capsys is not None else ("", "")
+    return subprocess.CompletedProcess([main.__module__, *args], code, out, err)
 

@@ -1,4 +1,5 @@
-"""python -m selfspec.search: the entry point end to end, resuming, refusals, several workers, Ctrl-C."""
+"""python -m selfspec.search on a tiny model: end to end with W&B, resumes, several workers and Ctrl-C as their own
+processes; refusals of bad input and of a resume under other settings in this process."""
 
 import json
 import os
@@ -12,11 +13,13 @@ import time
 import optuna
 import pytest
 
+from selfspec.cli.search import main as search_main
 from selfspec.draft.spec import DraftSpec
 from selfspec.search import workers
 from selfspec.search.costs import COST_MODEL_VERSION
 from selfspec.search.space import DraftDims, SearchSpace
 from selfspec.search.study import finished, open_study
+from tests.helpers import run_main
 
 
 def _cli(tmp_path, *overrides, **kw):
@@ -27,15 +30,21 @@ def _cli(tmp_path, *overrides, **kw):
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw)
 
 
+def _run(tmp_path, *overrides, capsys=None) -> subprocess.CompletedProcess:
+    """What `_cli` starts, in this process."""
+    return run_main(search_main, "model=tiny-llama", "search=quick", f"search.storage={tmp_path}/optuna/study.db",
+                    f"plans_dir={tmp_path}/plans", f"hydra.run.dir={tmp_path}/hydra", *overrides, capsys=capsys)
+
+
 def _study(tmp_path):
     return optuna.load_study(study_name="tiny-llama-default", storage=f"sqlite:///{tmp_path}/optuna/study.db")
 
 
 @pytest.fixture(scope="module")
 def two_trial_study(tmp_path_factory):
-    """One finished 2-trial CLI search, shared by the tests that resume it (each on its own copy)."""
+    """One finished 2-trial search, shared by the tests that resume it (each on its own copy)."""
     base = tmp_path_factory.mktemp("two_trial_study")
-    assert _cli(base, "logger=none", "search.n_trials=2").wait(timeout=300) == 0
+    assert _run(base, "logger=none", "search.n_trials=2").returncode == 0
     return base / "optuna" / "study.db"
 
 
@@ -48,6 +57,15 @@ def resumable(tmp_path, two_trial_study):
     return tmp_path
 
 
+@pytest.fixture
+def quick_study(tmp_path, tiny_study):
+    """This test's own copy of the shared quick search's study (conftest), where `_run(tmp_path, ...)` finds it."""
+    (tmp_path / "optuna").mkdir()
+    shutil.copyfile(tiny_study, tmp_path / "optuna" / "study.db")
+    return tmp_path
+
+
+@pytest.mark.cli
 def test_cli_end_to_end_with_offline_wandb(tmp_path):
     proc = _cli(tmp_path, "logger=wandb", f"logger.dir={tmp_path}/wandb", "search.time_target_s=1")
     out, err = proc.communicate(timeout=300)
@@ -78,6 +96,7 @@ def test_cli_end_to_end_with_offline_wandb(tmp_path):
     assert [quick.spec_of(t.params) for t in study.trials[:2]] == quick.anchors()  # search.anchors: on by default
 
 
+@pytest.mark.cli
 def test_predictions_beside_measurements_replay_the_timed_runs_exactly_in_fp64(tmp_path):
     # the report sets each prediction beside a measurement of the same prompts and continuations: in fp64
     # the simulated rounds are the real ones, so acceptance and tokens per round agree to rounding
@@ -102,6 +121,7 @@ def test_predictions_beside_measurements_replay_the_timed_runs_exactly_in_fp64(t
     assert "on the timed prompts" in out
 
 
+@pytest.mark.cli
 def test_cli_killed_midway_resumes(tmp_path):
     db = tmp_path / "optuna" / "study.db"
     proc = _cli(tmp_path, "logger=none", "search.n_trials=400", start_new_session=True)
@@ -127,21 +147,19 @@ def test_cli_killed_midway_resumes(tmp_path):
     assert "trials      " in out
 
 
-def test_cli_bad_input(tmp_path):
-    proc = _cli(tmp_path, "logger=none", "search.min_skipped=99")
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2 and "error: the search budget allows no plan" in err
-    proc = _cli(tmp_path, "logger=none", "dataset=no-such-set")
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and "no-such-set" in err
+def test_cli_bad_input(tmp_path, capsys):
+    proc = _run(tmp_path, "logger=none", "search.min_skipped=99", capsys=capsys)
+    assert proc.returncode == 2 and "error: the search budget allows no plan" in proc.stderr
+    proc = _run(tmp_path, "logger=none", "dataset=no-such-set", capsys=capsys)
+    assert proc.returncode != 0 and "no-such-set" in proc.stderr
 
 
-def test_resume_with_other_calibration_refused(resumable):
-    proc = _cli(resumable, "logger=none", "search.n_trials=3", "search.calibration_tokens=10")
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2 and "other calibration prompts or settings" in err
+def test_resume_with_other_calibration_refused(quick_study, capsys):
+    proc = _run(quick_study, "logger=none", "search.n_trials=3", "search.calibration_tokens=10", capsys=capsys)
+    assert proc.returncode == 2 and "other calibration prompts or settings" in proc.stderr
 
 
+@pytest.mark.cli
 def test_cli_remeasures_costs_on_another_machine_and_says_so(resumable):
     tmp_path = resumable
     study = _study(tmp_path)
@@ -161,6 +179,7 @@ def test_cli_remeasures_costs_on_another_machine_and_says_so(resumable):
     assert _study(tmp_path).user_attrs["calibration_data"]["costs"]["version"] == COST_MODEL_VERSION
 
 
+@pytest.mark.cli
 def test_a_torn_calibration_file_of_an_older_study_is_calibrated_again(resumable):
     tmp_path = resumable
     study = _study(tmp_path)  # as an older selfspec left it: the calibration in a file beside the study
@@ -179,21 +198,22 @@ def test_a_torn_calibration_file_of_an_older_study_is_calibrated_again(resumable
 
 
 @pytest.mark.parametrize("override, message", [
-    pytest.param("search.max_skipped=2", "searched another space", marks=pytest.mark.slow),
+    ("search.max_skipped=2", "searched another space"),
     ("search.objective=wallclock", "was scored by objective")])
-def test_cli_refuses_to_resume_under_other_scoring_settings(resumable, override, message):
-    _, err = _cli(resumable, "logger=none", "search.n_trials=3", override).communicate(timeout=300)
-    assert message in err
+def test_cli_refuses_to_resume_under_other_scoring_settings(quick_study, capsys, override, message):
+    proc = _run(quick_study, "logger=none", "search.n_trials=3", override, capsys=capsys)
+    assert proc.returncode == 2 and message in proc.stderr
 
 
-def test_a_study_of_the_older_format_is_refused(tmp_path):
+def test_a_study_of_the_older_format_is_refused(tmp_path, capsys):
     study = open_study(tmp_path / "optuna" / "study.db", "tiny-llama-default", "tiny-llama", "tpe", 0)
     study.enqueue_trial({"attn_1": 1})
     study.tell(study.ask(), 1.0)
-    _, err = _cli(tmp_path, "logger=none", "search.n_trials=3").communicate(timeout=300)
-    assert "made by an older selfspec" in err
+    proc = _run(tmp_path, "logger=none", "search.n_trials=3", capsys=capsys)
+    assert proc.returncode == 2 and "made by an older selfspec" in proc.stderr
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("storage", ["study.db", pytest.param("study.journal", marks=pytest.mark.slow)])
 def test_two_workers_share_one_study(tmp_path, storage):
     """Two search processes on one study: one calibration, the budget kept, one draft written."""
@@ -213,6 +233,7 @@ def test_two_workers_share_one_study(tmp_path, storage):
     assert optuna.get_all_study_names(store) == ["tiny-llama-default"]  # slots and claims given back
 
 
+@pytest.mark.cli
 def test_ctrl_c_during_the_search_is_one_clean_message(tmp_path):
     db = tmp_path / "optuna" / "study.db"
     # So many trials that the search cannot end on its own before the signal.
@@ -235,7 +256,6 @@ def test_ctrl_c_during_the_search_is_one_clean_message(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
 
 
-def test_a_misspelt_new_key_is_refused(tmp_path):
-    p = _cli(tmp_path, "logger=none", "+serch.n_trials=3")
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 2 and "search has no 'serch' (did you mean search?)" in err
+def test_a_misspelt_new_key_is_refused(tmp_path, capsys):
+    p = _run(tmp_path, "logger=none", "+serch.n_trials=3", capsys=capsys)
+    assert p.returncode == 2 and "search has no 'serch' (did you mean search?)" in p.stderr

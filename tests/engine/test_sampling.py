@@ -126,7 +126,7 @@ def test_engine_samples_the_target_distribution(make_model, params, draft):
     plan = SkipPlan(4, attn=(1,), mlp=(1, 2))
     p2, p3 = _marginals(model, prompt, params, vocab)
     path = DraftPath(model, plan, draft) if draft is not None else None
-    n = 1500
+    n = 1000
     c2, c3 = torch.zeros(vocab), torch.zeros(vocab)
     drafted = accepted = tree_rounds = 0
     for seed in range(n):

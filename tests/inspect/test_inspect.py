@@ -1,10 +1,14 @@
-"""selfspec-inspect: each subcommand on a tiny model's study or on fixed rows."""
+"""selfspec-inspect: each subcommand on a tiny model's study or on fixed rows; round-costs as its own process, the
+others in this process."""
 
 import json
 import subprocess
 import sys
 
-from tests.helpers import ROOT
+import pytest
+
+from selfspec.inspect import main as inspect_main
+from tests.helpers import ROOT, run_main
 
 
 def _inspect(name: str, *args: str) -> subprocess.CompletedProcess:
@@ -12,6 +16,12 @@ def _inspect(name: str, *args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=300)
 
 
+def _run(capsys, name: str, *args: str) -> subprocess.CompletedProcess:
+    """What `_inspect` starts, in this process."""
+    return run_main(inspect_main, name, *args, capsys=capsys)
+
+
+@pytest.mark.cli
 def test_round_costs_sets_measured_parts_beside_the_cost_models(tmp_path, tiny_study):
     out = tmp_path / "costs.jsonl"
     p = _inspect("round-costs", str(tiny_study), "--name", "tiny-llama-default", "--top", "2", "--prompts", "2",
@@ -36,10 +46,10 @@ def test_round_costs_sets_measured_parts_beside_the_cost_models(tmp_path, tiny_s
     assert "seconds measured / modelled" in p.stdout
 
 
-def test_overhead_spread_measures_the_loop_overheads_again_and_again(tmp_path, tiny_study):
+def test_overhead_spread_measures_the_loop_overheads_again_and_again(tmp_path, capsys, tiny_study):
     out = tmp_path / "spread.jsonl"
-    p = _inspect("overhead-spread", str(tiny_study), "--name", "tiny-llama-default", "--times", "2", "--reps", "1",
-                "--dtype", "float32", "--out", str(out))
+    p = _run(capsys, "overhead-spread", str(tiny_study), "--name", "tiny-llama-default", "--times", "2", "--reps", "1",
+             "--dtype", "float32", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(row["times"]) == 2 and row["reps"] == 1 and row["machine"] and row["formats"] >= 1
@@ -49,10 +59,10 @@ def test_overhead_spread_measures_the_loop_overheads_again_and_again(tmp_path, t
     assert "verify_ms: sd" in p.stdout
 
 
-def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, tiny_study):
+def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, capsys, tiny_study):
     out, plan = tmp_path / "bound.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
-    p = _inspect("tree-bound", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens", "12",
-                "--groups", "--branch", "0.5", "--nodes", "6", "--k", "1", "7", "--dtype", "float32", "--out", str(out))
+    p = _run(capsys, "tree-bound", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens", "12",
+             "--groups", "--branch", "0.5", "--nodes", "6", "--k", "1", "7", "--dtype", "float32", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["groups"] == ["all"] and record["machine"] and record["costs"]["t_full"] > 0
@@ -67,7 +77,7 @@ def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, tiny_study):
     assert record["summary"]["chain"]["tokens_gain"] == 1.0 and "oracle" in p.stdout
 
 
-def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path):
+def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, capsys):
     def row(sample, method, tokens, seconds, rounds=0, accepted=0):
         return {"type": "sample", "sample_id": sample, "method": method, "turns": 1, "new_tokens": tokens,
                 "wall_time_s": seconds, "ttft_s": 0.1, "token_latencies_s": [seconds / tokens] * tokens,
@@ -79,8 +89,8 @@ def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path):
     rows = [row("a", "tree", 20, 1.0, 4, 12), row("b", "tree", 30, 3.0, 6, 18), row("a", "chain", 20, 2.0, 5, 10),
             row("b", "chain", 30, 3.0, 7, 16)]
     (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    p = _inspect("paired-ratio", str(tmp_path / "m"), "tree", "chain")
+    p = _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "chain")
     assert p.returncode == 0, p.stderr[-2000:]
     # 50 tokens in 4 s over 50 in 5 s; tokens a round 1 + 30/10 and 1 + 26/12
     assert "gsm8k" in p.stdout and "tree over chain: 1.250x (95% " in p.stdout and "tokens a round 4.00 / 3.17" in p.stdout
-    assert _inspect("paired-ratio", str(tmp_path / "m"), "tree", "ar").returncode != 0
+    assert _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "ar").returncode != 0

@@ -278,6 +278,7 @@ def test_plain_attributes_are_set_without_module_checks_but_never_over_parameter
         set_plain(lin, weight=torch.zeros(4, 4))
 
 
+@pytest.mark.cli
 def test_a_build_stopped_midway_leaves_no_lock_that_blocks_the_next(tmp_path, monkeypatch, capsys):
     """torch's build guards its folder with a `lock` file; a process killed mid-build leaves it behind, and the next
     build must not wait on it forever (ours holds an flock, which the OS drops with the process)."""

@@ -48,6 +48,7 @@ def test_library_source_never_imports_entry_point_packages():
     assert not offenders, offenders
 
 
+@pytest.mark.cli
 def test_importing_the_whole_library_loads_no_entry_point_package():
     mods = [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in _library_modules()]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in mods)
@@ -122,6 +123,7 @@ def test_one_default_model_everywhere():
     assert f"`{model}` (default)" in (ROOT / "README.md").read_text()
 
 
+@pytest.mark.cli
 def test_wheel_ships_the_configs(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT),
                         "-w", str(tmp_path)], capture_output=True, text=True)

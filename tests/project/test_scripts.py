@@ -4,7 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
+
+pytestmark = pytest.mark.cli
 
 
 def _script(name: str, *args: str) -> subprocess.CompletedProcess:

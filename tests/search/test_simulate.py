@@ -1,5 +1,6 @@
 """The round simulator is exact: in fp64 on tiny models, for any draft, its counts equal a real greedy run's."""
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -39,12 +40,22 @@ PROMPTS = [PROMPT, [5, 9, 11, 5, 9, 11, 5, 9, 11, 7], list(range(40, 60)),
            [5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 11, 12, 3, 4, 5, 6, 7, 13]]
 
 
+@functools.cache
+def _ar(model, lengths: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The model's greedy continuations of PROMPTS, ``lengths`` tokens each (computed once per shared model)."""
+    return tuple(tuple(autoregressive(model, p, DecodeConfig(max_new_tokens=n)).tokens) for p, n in zip(PROMPTS, lengths))
+
+
+def _continuations(model, *lengths: int) -> list[list[int]]:
+    return [list(c) for c in _ar(model, lengths if len(lengths) > 1 else lengths * len(PROMPTS))]
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 def test_simulated_rounds_equal_a_real_greedy_run(make_model, arch, name):
     model = make_model(arch, torch.float64)
     spec = SPECS[name]
     n_tokens = 30
-    conts = [autoregressive(model, p, DecodeConfig(max_new_tokens=n_tokens)).tokens for p in PROMPTS]
+    conts = _continuations(model, n_tokens)
     sim = RoundSimulator(model, PROMPTS, conts)
     path = DraftPath(model, spec.plan, spec.options)
     counts = sim.simulate(spec, path)
@@ -74,7 +85,7 @@ def test_prompts_side_by_side_count_as_one_by_one(make_model, name):
     run a non-contiguous subset) gives each prompt's counts exactly as simulating it alone."""
     model = make_model("qwen2", torch.float64)
     spec = SPECS[name]
-    conts = [autoregressive(model, p, DecodeConfig(max_new_tokens=n)).tokens for p, n in zip(PROMPTS, (30, 8, 20, 14))]
+    conts = _continuations(model, 30, 8, 20, 14)
     sim = RoundSimulator(model, PROMPTS, conts)
     together = sim.simulate(spec)
     alone = RoundCounts()
@@ -92,7 +103,7 @@ def test_lazy_rows_count_as_whole_chunks(make_model, name):
     counts of drafting its whole chunk at once, computing fewer positions; a tree's rounds run whole."""
     model = make_model("llama", torch.float64)
     spec = SPECS[name]
-    conts = [autoregressive(model, p, DecodeConfig(max_new_tokens=n)).tokens for p, n in zip(PROMPTS, (30, 8, 20, 14))]
+    conts = _continuations(model, 30, 8, 20, 14)
     lazy, whole = RoundSimulator(model, PROMPTS, conts), RoundSimulator(model, PROMPTS, conts, lazy=False)
     counts = lazy.simulate(spec)
     assert counts == whole.simulate(spec) and counts.rounds > 0
@@ -132,7 +143,7 @@ def test_drafts_sharing_a_forward_reuse_its_outputs(make_model):
               DraftSpec(plan, DraftOptions(branch_below=0.6, tree_nodes=5), k=4),
               DraftSpec(plan, DraftOptions(ngram=3, copy_fallback=1, copy_tokens=3, copy_candidates=2), k=2),
               DraftSpec(SkipPlan(N_LAYERS, attn=(1,)), k=3)]  # another forward: no outputs of the others
-    conts = [autoregressive(model, p, DecodeConfig(max_new_tokens=24)).tokens for p in PROMPTS]
+    conts = _continuations(model, 24)
     shared = RoundSimulator(model, PROMPTS, conts)
     for spec in drafts:
         assert shared.simulate(spec) == RoundSimulator(model, PROMPTS, conts).simulate(spec)
@@ -155,7 +166,7 @@ def test_the_oracle_accepts_every_model_draft(make_model, name):
     tokens in no more rounds than the draft, each model round k + 1 tokens but where the continuation's end cuts k."""
     model = make_model("llama", torch.float64)
     spec = SPECS[name]
-    conts = [autoregressive(model, p, DecodeConfig(max_new_tokens=30)).tokens for p in PROMPTS]
+    conts = _continuations(model, 30)
     sim = RoundSimulator(model, PROMPTS, conts)
     real, oracle = sim.simulate(spec), sim.simulate(spec, oracle=True)
     assert oracle.tokens == real.tokens and oracle.rounds <= real.rounds
