@@ -49,6 +49,7 @@ def test_a_damaged_cached_model_says_how_to_clear_it(tmp_path):
         load_model("qwen2.5-coder-0.5b", cache_dir=tmp_path)
 
 
+@pytest.mark.cli  # the tokenizer converts in a Python process of its own
 def test_a_gguf_transformers_cannot_read_is_an_asset_error(tmp_path, monkeypatch):
     """The conversion's two processes (weights here, tokenizer in a child) each fail with one clear line."""
     from selfspec.assets import models
