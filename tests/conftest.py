@@ -1,12 +1,14 @@
-"""Shared fixtures: tiny random models built in-process, built once per test run."""
+"""Shared fixtures: tiny random models and a tiny model's study, built in-process once per test run."""
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from selfspec.assets.tiny import TINY_ARCHS, tiny_model
+from tests.helpers import run_main
 
 # pytest-xdist workers share the cores: each worker, and every process a test starts (through OMP_NUM_THREADS), takes
 # its share of them: OpenMP threads that wait on a descheduled sibling slow a tiny model's many small ops (a tiny-model
@@ -39,4 +41,13 @@ def make_model():
     return lambda arch, dtype=torch.float32, vocab_size=96: _model(arch, dtype, vocab_size)
 
 
-PROMPT = list(range(3, 20))
+@pytest.fixture(scope="session")
+def tiny_study(tmp_path_factory) -> Path:
+    """A quick search's study of the tiny Llama (fp32), its draft in ``plans/`` beside it."""
+    from selfspec.cli.search import main
+
+    root = tmp_path_factory.mktemp("study")
+    search = run_main(main, "model=tiny-llama", "search=quick", "logger=none", f"search.storage={root}/study.db",
+                      f"plans_dir={root}/plans", f"hydra.run.dir={root}/hydra")
+    assert search.returncode == 0
+    return root / "study.db"

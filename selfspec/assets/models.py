@@ -168,7 +168,7 @@ def _convert(name: str, final: Path) -> Path:
     # once for the config, once for the weights and once for the tokenizer (docs/log.md)
     tok_dir = gguf.parent / "tokenizer"
     tmp = final.parent / f".{name}.tmp"
-    with _TokenizerJob(gguf.parent, gguf.name, tok_dir) as tokenizer:
+    with TokenizerJob(gguf.parent, gguf.name, tok_dir) as tokenizer:
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 gguf.parent,
@@ -205,7 +205,7 @@ def _convert(name: str, final: Path) -> Path:
     return final
 
 
-class _TokenizerJob:
+class TokenizerJob:
     """``AutoTokenizer.from_pretrained(work, gguf_file=...).save_pretrained(out)`` in a child process.
 
     A ``with`` block stops the child on the way out (a no-op once it ended): an error in the block never
@@ -221,7 +221,7 @@ class _TokenizerJob:
         self.proc = subprocess.Popen([sys.executable, "-c", self.CODE, str(work), gguf_name, str(out)],
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
-    def __enter__(self) -> _TokenizerJob:
+    def __enter__(self) -> TokenizerJob:
         return self
 
     def __exit__(self, *exc) -> None:

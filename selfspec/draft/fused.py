@@ -39,7 +39,7 @@ from selfspec.kernels import vnni
 
 ENV = "SELFSPEC_FUSED_DRAFT"  # 0: draft through the modules
 STEP = "_selfspec_draft_step"  # the model instance's FusedStep while a path that has one drafts
-ARCHS = ("llama", "qwen2")  # decoder layers whose attention and MLP this code computes (tests/test_fused.py)
+ARCHS = ("llama", "qwen2")  # decoder layers whose attention and MLP this code computes (tests/draft/test_fused.py)
 
 
 def enabled() -> bool:

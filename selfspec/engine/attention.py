@@ -68,7 +68,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
             scores.add_(m)
     # the sum over the values runs over a key count padded to whole chunks of CHUNK (probability exactly 0, values
     # 0): the product's reduction is then split the same way whatever the forward's width, so a row's result
-    # depends only on its own keys (row-invariance; tests/test_row_invariance.py)
+    # depends only on its own keys (row-invariance; tests/engine/test_row_invariance.py)
     padded = -(-keys // CHUNK) * CHUNK
     v = torch.empty(b * kv_heads, padded, dim, dtype=acc)
     v[:, :keys] = value.reshape(b * kv_heads, keys, dim)
@@ -88,14 +88,19 @@ def _register() -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
+def implementation(model) -> str | None:
+    """The attention implementation ``model`` (or a layer that holds its config) runs now: ``sdpa``, ``eager``,
+    :data:`NAME` inside :func:`decode_attention`; transformers keeps it in the config's ``_attn_implementation``."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
 @contextmanager
 def decode_attention(model, on: bool = True) -> Iterator[None]:
     """Inside the block, ``model`` (one instance) attends through :func:`attention_forward` where it ran SDPA.
 
     A model on another implementation (eager, flex) keeps it; nested blocks are one.
     """
-    config = getattr(model, "config", None)
-    before = getattr(config, "_attn_implementation", None)
+    before = implementation(model)
     if not on or before != "sdpa" or not hasattr(model, "set_attn_implementation"):
         yield
         return

@@ -127,7 +127,7 @@ def write_figures(by_exp: dict[str, list[dict]], studies: Path | None, out_dir: 
     importances = {name: param_importances(ts) for name, ts in trials.items() if len(ts) >= 10}
     importances = {name: imp for name, imp in importances.items() if imp}
     if importances:
-        written.append(_importance_csv(importances, out_dir / "search_importance.csv"))
+        written.append(importance_csv(importances, out_dir / "search_importance.csv"))
         fig, axes = plt.subplots(len(importances), 2, figsize=(11, 3.6 * len(importances)), squeeze=False)
         for (ax1, ax2), (name, imp) in zip(axes, importances.items()):
             dims: dict[str, float] = {}
@@ -146,7 +146,8 @@ def write_figures(by_exp: dict[str, list[dict]], studies: Path | None, out_dir: 
     return written
 
 
-def _importance_csv(importances: dict[str, dict[str, float]], path: Path) -> Path:
+def importance_csv(importances: dict[str, dict[str, float]], path: Path) -> Path:
+    """Each study's importances as CSV rows at ``path``, in :func:`ranked` order; returns ``path``."""
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["study", "parameter", "dimension", "importance"])

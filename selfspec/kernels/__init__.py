@@ -5,8 +5,10 @@ use into ``$SELFSPEC_CACHE/kernels``. Nothing here imports the engine, the draft
 
 
 def reset_kernels() -> None:
-    """Forget which kernels loaded, so the next use chooses again by the environment and the CPU flags it finds."""
-    from selfspec.kernels import fp16, vnni
+    """Forget which kernels loaded and what was said about them, so the next use chooses again by the environment and
+    the CPU flags it finds, and says again which kernels run where bf16 weights cannot be packed."""
+    from selfspec.kernels import fp16, packed, vnni
 
     vnni._KERNEL.reset()
     fp16._KERNEL.reset()
+    packed._say_unpacked.cache_clear()

@@ -52,11 +52,12 @@ def build_in_background() -> threading.Thread:
 
 @functools.cache
 def _load_once():
-    return vnni.load_kernel(ENV, "fbgemm", {"panels": FLAGS}, lambda _: _build(),
+    return vnni.load_kernel(ENV, "fbgemm", {"panels": FLAGS}, lambda _: build(),
                             "packed fp16 products run on fbgemm's kernel, not ours")
 
 
-def _build():
+def build():
+    """Compile (or load the cached build of) the kernel; its operators, ``torch.ops.selfspec_fp16``."""
     vnni.compile_extension(SOURCE, "fp16_panels", ["-O3", "-fopenmp", "-mfma", "-mavx2", "-mf16c"])
     return torch.ops.selfspec_fp16
 

@@ -87,7 +87,7 @@ def _can_reorder(dtype: torch.dtype) -> bool:
     return True
 
 
-def _fbgemm_fp16() -> bool:
+def fbgemm_fp16() -> bool:
     """Whether fbgemm's fp16 linear kernel (prepacked fp16 weights, fp32 activations) runs here."""
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         return False
@@ -106,7 +106,7 @@ def pack_format() -> str | None:
     inputs of :data:`FP32_MIN_ROWS` rows or more); None with neither."""
     if packing_supported():
         return "bf16"
-    if _fbgemm_fp16():
+    if fbgemm_fp16():
         return "fp16"
     return "fp32" if _can_reorder(torch.float32) else None
 

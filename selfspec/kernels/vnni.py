@@ -144,14 +144,15 @@ def build_in_background() -> threading.Thread:
 def _load_once():
     """(the kernel's operator namespace ``torch.ops.selfspec_vnni``, None, the build's name) or (None, why not, None);
     once per process (through :data:`_KERNEL`)."""
-    return load_kernel(ENV, "aten", {name: needs for name, (needs, _) in BUILDS.items()}, lambda name: _build(name),
+    return load_kernel(ENV, "aten", {name: needs for name, (needs, _) in BUILDS.items()}, lambda name: build(name),
                        "int4 drafts run torch's int4 kernel, not the VNNI kernel")
 
 
 _KERNEL = LazyKernel(_load_once)
 
 
-def _build(name: str):
+def build(name: str):
+    """Compile (or load the cached) build ``name`` of :data:`BUILDS`; its operators, ``torch.ops.selfspec_vnni``."""
     suffix = "" if name == "avx512-vnni" else f"-{name}"  # the AVX-512 build keeps the folder it had
     compile_extension(SOURCE, f"int4_vnni{suffix}", ["-O3", "-fopenmp", *BUILDS[name][1]])
     return torch.ops.selfspec_vnni

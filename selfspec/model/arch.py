@@ -16,8 +16,8 @@ from torch import nn
 
 from selfspec.errors import SelfSpecError
 
-# model_type -> (attention attribute, MLP attribute); each entry is tested (tests/test_skip.py,
-# tests/test_decoding.py) on a tiny model of that architecture
+# model_type -> (attention attribute, MLP attribute); each entry is tested (tests/draft/test_skip.py,
+# tests/engine/test_decoding.py) on a tiny model of that architecture
 _SUBLAYERS: dict[str, tuple[str, str]] = {
     "llama": ("self_attn", "mlp"),
     "qwen2": ("self_attn", "mlp"),

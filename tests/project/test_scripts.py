@@ -1,0 +1,69 @@
+"""The measurement scripts run from the repository root on a tiny model and append one JSON line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.cli
+
+
+def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def test_measure_draft_appends_one_row_per_setting(tmp_path):
+    out = tmp_path / "draft.jsonl"
+    p = _script("measure_draft.py", "--model", "tiny-llama", "--datasets", "tiny", "--prompts", "2",
+                "--max-new-tokens", "12", "--setting", "plan=empty ngram=2 k=3", "--setting", "plan=empty k=2",
+                "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["setting"] for r in rows] == ["plan=empty ngram=2 k=3", "plan=empty k=2"]
+    assert all(r["prompts"] == 2 and r["speedup"] > 0 and r["identical"].endswith("/2") for r in rows)
+
+
+def test_ar_vs_hf_appends_one_row(tmp_path):
+    out = tmp_path / "ar.jsonl"
+    p = _script("ar_vs_hf.py", "--model", "tiny-llama", "--datasets", "tiny", "--reps", "2",
+                "--max-new-tokens", "8", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["autoregressive"]["tok_s"] > 0 and row["hf_generate"]["tok_s"] > 0
+
+
+def test_sampler_bench_appends_one_row(tmp_path):
+    out = tmp_path / "sampler.jsonl"
+    p = _script("sampler_bench.py", "--model", "tiny-llama", "--dataset", "tiny", "--reps", "2", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["same_sizes"] is True and row["max_kept_mass_gap"] < 1e-5 and row["rows_same_support"] >= row["rows"] - 4
+    assert row["ms_per_row"]["ours"] > 0 and row["ratio"] > 0
+    assert row["ratio_min_max"][0] <= row["ratio"] <= row["ratio_min_max"][1]
+
+
+def test_sim_batch_bench_appends_one_row(tmp_path, tiny_study):
+    out = tmp_path / "sim.jsonl"
+    p = _script("sim_batch_bench.py", str(tiny_study), "tiny-llama-default", "--trials", "3",
+                "--batches", "1", "2", "--dtype", "float32", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["drafts"] == 3 and set(row["batches"]) == {"1", "2"}
+    # the tiny model runs in fp32: side by side, every draft's counts equal those of one prompt at a time
+    assert row["batches"]["2"]["drafts_whose_counts_differ_from_first"] == 0
+    assert row["batches"]["2"]["mean_s_per_draft"] > 0 and row["machine"]
+
+
+def test_device_check_appends_one_row_on_the_cpu(tmp_path):
+    out = tmp_path / "device.jsonl"
+    p = _script("device_check.py", "--device", "cpu", "--quick", "--max-new-tokens", "16", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    (arch,) = row["archs"].values()
+    for what in ("fp32", "bf16_exact"):  # the checks the tests already hold on the CPU: every output equal to AR
+        assert arch[what]["same"] == arch[what]["runs"] > 0, arch[what]["misses"]
+    assert arch["sampling_seeded"] is True and arch["clock"]["clock_s"] > 0 and arch["clock"]["tokens"] == 16
