@@ -25,7 +25,7 @@ from selfspec.assets.data import TaskSet, load_task_set
 from selfspec.assets.models import load_model
 from selfspec.cli import take_interrupts
 from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, decode_config, draft_options, plain
-from selfspec.cli.jobs import job_failed, save_config, set_threads
+from selfspec.cli.jobs import job_failed, ran_in_child, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
 from selfspec.draft.spec import LENGTH, DraftSpec
 from selfspec.errors import SelfSpecError
@@ -123,6 +123,8 @@ def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     logger = None
     try:
+        if ran_in_child(cfg, "selfspec.cli.evaluate"):
+            return
         logger = WandbLogger(plain(cfg.logger), "evaluate", plain(cfg),
                              name=f"{cfg.name}/{cfg.model.name}/{cfg.dataset.name}/{out_dir.name}")
         summary = run(cfg, out_dir, logger)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sqlite3
+import subprocess
 import sys
 import time
 import traceback
@@ -109,6 +111,38 @@ def job_failed(error: BaseException, out_dir: Path, kept: str = "") -> None:
             f.write(f"{time.time():.3f}\t{out_dir}\t{first}\n")
     except OSError:
         pass
+
+
+CHILD = "SELFSPEC_JOB_CHILD"  # set in a job's own process under the joblib launcher
+
+
+def ran_in_child(cfg: DictConfig, module: str) -> bool:
+    """Under the joblib launcher, run this job as a process of its own (``python -m module`` with the job's
+    overrides and run folder) and wait for it; True when it ran there (the caller then returns).
+
+    joblib's workers hold each other: one killed (the kernel's out-of-memory killer, a kill -9) ends the whole sweep,
+    the other worker's job too. The job's own process is the one that holds the model, so it is the one such a kill
+    takes, and its worker records it as this job's failure while the sweep goes on."""
+    if os.environ.get(CHILD) or not is_multirun() or "joblib" not in str(HydraConfig.get().launcher.get("_target_", "")):
+        return False
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    threads = set_threads(cfg)
+    task = [o for o in hc.overrides.task if not o.startswith("threads=")]
+    cmd = [sys.executable, "-m", module, *task, f"hydra.run.dir={out_dir}", "hydra.mode=RUN", f"threads={threads}"]
+    code = subprocess.run(cmd, env={**os.environ, CHILD: "1"}).returncode
+    if code == 0:
+        return True
+    if code == 130:
+        raise KeyboardInterrupt
+    if code < 0:
+        why = (f"the job's process was killed by {signal.Signals(-code).name} (out of memory, or by hand); what it "
+               "finished is kept: rerun the sweep to resume it")
+    else:  # it said why (and wrote its FAILED marker) itself
+        failed = out_dir / "FAILED"
+        why = failed.read_text().strip().splitlines()[0] if failed.is_file() else f"the job exited with status {code}"
+    job_failed(SelfSpecError(why), out_dir)
+    return True
 
 
 def _writable_or_exit(folder: str, what: str) -> None:

@@ -23,7 +23,7 @@ from selfspec.assets.data import prompt_set_from_config
 from selfspec.assets.models import load_model
 from selfspec.cli import take_interrupts
 from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, plain, search_settings
-from selfspec.cli.jobs import job_failed, save_config, set_threads
+from selfspec.cli.jobs import job_failed, ran_in_child, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
 from selfspec.errors import SelfSpecError
 from selfspec.kernels import fp16, vnni
@@ -51,6 +51,8 @@ def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     logger = None
     try:
+        if ran_in_child(cfg, "selfspec.search"):
+            return
         check_new_keys("search", list(HydraConfig.get().overrides.task))
         set_threads(cfg)
         settings = search_settings(cfg)

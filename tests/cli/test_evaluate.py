@@ -3,6 +3,7 @@ parallel launchers; in this process, failed jobs, variants, splits, run folders 
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -226,3 +227,37 @@ def test_a_run_with_many_long_overrides_gets_a_short_folder(tmp_path, capsys, mo
     record = (folder / ".hydra" / "overrides.yaml").read_text()
     assert all(o in record for o in long)  # the whole overrides, in the folder's config record
     assert short_folder_name("decoding.k=2") == "decoding.k=2"
+
+
+def _job_process(marker: str) -> int | None:
+    """The pid of a job's own process whose command line holds ``marker`` (None while there is none)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"selfspec.cli.evaluate" in cmd and marker.encode() in cmd:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.cli
+def test_a_killed_job_of_a_joblib_sweep_fails_alone(tmp_path, tiny_plan):
+    """kill -9 of one job's process (as the out-of-memory killer would): the other jobs finish, the sweep exits 1
+    and names it."""
+    runs = tmp_path / "runs"
+    sweep = subprocess.Popen(
+        [sys.executable, str(ROOT / "experiments" / "evaluate.py"), "-m", "hydra/launcher=joblib",
+         "hydra.launcher.n_jobs=2", "model=tiny-llama", "dataset=tiny", f"plan={tiny_plan}", "logger=none", "name=x",
+         "n_samples=2", "decoding.max_new_tokens=8", "warmup_tokens=1", "decoding.seed=0,1,2",
+         f"hydra.sweep.dir={runs}/x"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while (pid := _job_process("decoding.seed=1")) is None and time.time() < deadline and sweep.poll() is None:
+        time.sleep(0.02)
+    assert pid is not None, "the job's process never showed"
+    os.kill(pid, signal.SIGKILL)
+    _, err = sweep.communicate(timeout=600)
+    assert sweep.returncode == 1 and "1 job(s) of this sweep failed" in err, err[-3000:]
+    assert "decoding.seed=1" in err and "killed by SIGKILL" in err and "Traceback" not in err, err[-3000:]
+    for seed in (0, 2):
+        assert (runs / f"x/tiny-llama/tiny/decoding.seed={seed}" / "summary.json").is_file()
