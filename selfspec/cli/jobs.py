@@ -129,7 +129,8 @@ def ran_in_child(cfg: DictConfig, module: str) -> bool:
     out_dir = Path(hc.runtime.output_dir)
     threads = set_threads(cfg)
     task = [o for o in hc.overrides.task if not o.startswith("threads=")]
-    cmd = [sys.executable, "-m", module, *task, f"hydra.run.dir={out_dir}", "hydra.mode=RUN", f"threads={threads}"]
+    folder = str(out_dir).replace("\\", "\\\\").replace("'", "\\'")  # quoted: a job folder's name holds '='
+    cmd = [sys.executable, "-m", module, *task, f"hydra.run.dir='{folder}'", "hydra.mode=RUN", f"threads={threads}"]
     code = subprocess.run(cmd, env={**os.environ, CHILD: "1"}).returncode
     if code == 0:
         return True
