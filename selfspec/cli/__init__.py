@@ -23,11 +23,19 @@ def _interrupted_while_starting(signum, frame) -> None:
     os._exit(130)
 
 
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt  # a scheduler's or a user's SIGTERM stops a job as Ctrl-C does: cleanly, resumable
+
+
 def take_interrupts() -> None:
-    """Ctrl-C from here on raises KeyboardInterrupt, which each entry point turns into a clean stop."""
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+    """Ctrl-C, and SIGTERM (a kill, Slurm at a job's time limit), from here on raise KeyboardInterrupt, which each
+    entry point turns into a clean stop that says what was kept."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and _run_as_entry_point():
+        signal.signal(signal.SIGTERM, _terminated)
 
 
 def _run_as_entry_point() -> bool:

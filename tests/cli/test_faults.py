@@ -324,3 +324,27 @@ def test_a_work_folder_a_failed_fetch_left_is_removed_unless_in_use(tmp_path):
     (work / "m.gguf.partial").unlink()
     remove_if_unused(work)  # only a lock nobody holds: gone
     assert not work.exists()
+
+
+@pytest.mark.cli
+def test_sigterm_mid_evaluation_is_a_clean_stop_and_the_rerun_resumes(tmp_path):
+    run = tmp_path / "run"
+    args = [sys.executable, str(ROOT / "experiments" / "evaluate.py"), "model=tiny-llama", "dataset=tiny",
+            "logger=none", "plan=empty", "decoding.max_new_tokens=48", "warmup_tokens=1", "n_samples=3",
+            f"hydra.run.dir={run}"]
+    p = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    samples = run / "samples.jsonl"
+    deadline = time.time() + 300
+    while p.poll() is None and time.time() < deadline and (
+            not samples.is_file() or samples.read_text().count('"sample_id"') < 1):
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    if p.returncode == 0:
+        pytest.skip("the run finished before the signal arrived")
+    assert p.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert "finished samples are saved; rerun the same command to resume" in err
+    resumed = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    _, rows = read_jsonl(samples)
+    assert len(rows) == 6 and len({(r["sample_id"], r["method"]) for r in rows}) == 6
