@@ -4,10 +4,11 @@
 
 Part 1, the attention alone: for each context length and 1 or 6 query rows (the model's head counts and head
 size, bf16, random values), transformers' SDPA function against :func:`selfspec.engine.attention.attention_forward`,
-with a causal mask over the cached keys (none for one row, as the model passes it). Part 2, steps of the model on
-its packed weights after a prefill of that many tokens: a one-row AR step, our AR step padded to 6 rows, a 4-row
-verify and a one-row int4 g128 full-depth draft step (full int4 head), each with either attention, all
-round-robin (a warm-up repetition first), medians. Prints and appends one JSON line to --out.
+with a causal mask over the cached keys (none for one row, as the model passes it), and the decode attention
+unpadded (its sum over the values over the key count as it comes: not row-invariant; what the padding costs).
+Part 2, steps of the model on its packed weights after a prefill of that many tokens: a one-row AR step, our AR
+step padded to 6 rows, a 4-row verify and a one-row int4 g128 full-depth draft step (full int4 head), each with
+each attention, all round-robin (a warm-up repetition first), medians. Prints and appends one JSON line to --out.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from selfspec.assets.models import load_model
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.engine.attention import attention_forward, decode_attention
+from selfspec.engine.attention import CHUNK, attention_forward, decode_attention
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
@@ -30,11 +31,12 @@ from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
 
 def round_robin(model, fns: dict, reps: int, clock: Clock) -> dict[str, float]:
-    """Median milliseconds of each ``(decode attention on, fn)``, round-robin, repetition 0 a warm-up."""
+    """Median milliseconds of each ``(attention, fn)``, round-robin, repetition 0 a warm-up; ``attention`` None is
+    SDPA, else the decode attention with keys padded to chunks of that many (1: unpadded)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(reps + 1):
-        for name, (on, fn) in fns.items():
-            with decode_attention(model, on):
+        for name, (chunk, fn) in fns.items():
+            with decode_attention(model, chunk is not None, chunk or CHUNK):
                 t0 = clock.now()
                 fn()
                 dt = clock.now() - t0
@@ -54,12 +56,11 @@ def time_steps(model, draft: DraftPath, keys: int, reps: int, clock: Clock) -> d
             forward_at(model, cache, ctx[-1:], keys, keep=1)
 
     fns = {}
-    for on in (False, True):
-        att = "decode" if on else "sdpa"
-        fns[f"AR 1 row {att}"] = (on, lambda: forward_at(model, cache, ctx[-1:], keys, keep=1))
-        fns[f"AR 6 rows {att}"] = (on, lambda: forward_at(model, cache, ctx[-1:], keys, keep=1, rows=6))
-        fns[f"verify 4 rows {att}"] = (on, lambda: forward_at(model, cache, ctx[-4:], keys, keep=4))
-        fns[f"int4 draft step {att}"] = (on, drafted)
+    for chunk, att in ((None, "sdpa"), (1, "decode unpadded"), (CHUNK, "decode")):
+        fns[f"AR 1 row {att}"] = (chunk, lambda: forward_at(model, cache, ctx[-1:], keys, keep=1))
+        fns[f"AR 6 rows {att}"] = (chunk, lambda: forward_at(model, cache, ctx[-1:], keys, keep=1, rows=6))
+        fns[f"verify 4 rows {att}"] = (chunk, lambda: forward_at(model, cache, ctx[-4:], keys, keep=4))
+        fns[f"int4 draft step {att}"] = (chunk, drafted)
     with torch.inference_mode(), packed_weights(model):
         forward_at(model, cache, ctx, 0, keep=1)
         return round_robin(model, fns, reps, clock)
@@ -88,8 +89,10 @@ def main() -> None:
             k, v = (torch.randn(1, kv_heads, keys, dim, dtype=torch.bfloat16) for _ in range(2))
             mask = None if rows == 1 else \
                 (torch.arange(keys)[None, :] <= torch.arange(keys - rows, keys)[:, None])[None, None]
-            fns[f"{rows} rows sdpa"] = (False, lambda q=q, k=k, v=v, m=mask: sdpa_attention_forward(layer, q, k, v, m))
-            fns[f"{rows} rows decode"] = (False, lambda q=q, k=k, v=v, m=mask: attention_forward(layer, q, k, v, m))
+            fns[f"{rows} rows sdpa"] = (None, lambda q=q, k=k, v=v, m=mask: sdpa_attention_forward(layer, q, k, v, m))
+            fns[f"{rows} rows decode unpadded"] = (
+                None, lambda q=q, k=k, v=v, m=mask: attention_forward(layer, q, k, v, m, chunk=1))
+            fns[f"{rows} rows decode"] = (None, lambda q=q, k=k, v=v, m=mask: attention_forward(layer, q, k, v, m))
         with torch.inference_mode():
             alone[keys] = round_robin(model, fns, 10 * args.reps, clock)
         steps[keys] = time_steps(model, draft, keys, args.reps, clock)

@@ -23,6 +23,7 @@ block; no transformers class is changed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -44,10 +45,11 @@ def _sdpa():
 
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      **kwargs) -> tuple[torch.Tensor, None]:
+                      chunk: int = CHUNK, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: ``query`` ``[b, heads, q, d]``, ``key``/``value`` ``[b, kv_heads, keys, d]``,
     ``attention_mask`` boolean (true = attend) or additive, ``[b or 1, 1 or heads, q, keys]``; returns
-    ``[b, q, heads, d]``."""
+    ``[b, q, heads, d]``. ``chunk``: the key count is padded to whole chunks of it (1: no padding, not
+    row-invariant; for measuring what the padding costs)."""
     b, heads, rows, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     if (rows > MAX_ROWS or (attention_mask is None and rows > 1) or dropout or heads % kv_heads
@@ -69,7 +71,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     # the sum over the values runs over a key count padded to whole chunks of CHUNK (probability exactly 0, values
     # 0): the product's reduction is then split the same way whatever the forward's width, so a row's result
     # depends only on its own keys (row-invariance; tests/engine/test_row_invariance.py)
-    padded = -(-keys // CHUNK) * CHUNK
+    padded = -(-keys // chunk) * chunk
     v = torch.empty(b * kv_heads, padded, dim, dtype=acc)
     v[:, :keys] = value.reshape(b * kv_heads, keys, dim)
     v[:, keys:] = 0
@@ -79,13 +81,16 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     return out.reshape(b, heads, rows, dim).transpose(1, 2).contiguous(), None
 
 
-def _register() -> None:
+def _register(chunk: int) -> str:
+    """The name under which transformers finds this module's attention with keys padded to ``chunk``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    if NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(NAME, attention_forward)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    name = NAME if chunk == CHUNK else f"{NAME}_chunk{chunk}"
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, functools.partial(attention_forward, chunk=chunk))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    return name
 
 
 def implementation(model) -> str | None:
@@ -95,17 +100,17 @@ def implementation(model) -> str | None:
 
 
 @contextmanager
-def decode_attention(model, on: bool = True) -> Iterator[None]:
+def decode_attention(model, on: bool = True, chunk: int = CHUNK) -> Iterator[None]:
     """Inside the block, ``model`` (one instance) attends through :func:`attention_forward` where it ran SDPA.
 
-    A model on another implementation (eager, flex) keeps it; nested blocks are one.
+    A model on another implementation (eager, flex) keeps it; nested blocks are one. ``chunk``: see
+    :func:`attention_forward` (the default keeps every forward row-invariant).
     """
     before = implementation(model)
     if not on or before != "sdpa" or not hasattr(model, "set_attn_implementation"):
         yield
         return
-    _register()
-    model.set_attn_implementation(NAME)
+    model.set_attn_implementation(_register(chunk))
     try:
         yield
     finally:
