@@ -30,7 +30,7 @@ from selfspec.eval.records import read_jsonl
 from selfspec.provenance import append_lines
 from selfspec.search.settings import SearchSettings
 from selfspec.typed import typed
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_main
 
 
 def _full(*_args, **_kwargs):
@@ -348,3 +348,16 @@ def test_sigterm_mid_evaluation_is_a_clean_stop_and_the_rerun_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     _, rows = read_jsonl(samples)
     assert len(rows) == 6 and len({(r["sample_id"], r["method"]) for r in rows}) == 6
+
+
+def test_the_search_command_prints_a_draft_it_cannot_write_and_says_how_to_go_on(tmp_path, monkeypatch, capsys):
+    from selfspec.cli.search import main as search_main
+    from selfspec.draft.spec import DraftSpec
+
+    monkeypatch.setattr(DraftSpec, "save", lambda self, path: _full())
+    p = run_main(search_main, "model=tiny-llama", "search=quick", "logger=none", "search.n_trials=3",
+                 "search.heldout.prompts=0", "search.ablation=false", f"search.storage={tmp_path}/s.db",
+                 f"plans_dir={tmp_path}/plans", f"hydra.run.dir={tmp_path}/run", capsys=capsys)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert '"format": "selfspec.draft/2"' in p.stdout and "draft not written" in p.stdout
+    assert "No space left on device" in p.stderr and "rerun the same command" in p.stderr and "Traceback" not in p.stderr
