@@ -219,12 +219,11 @@ def _rows(cfg: dict, cache_dir: Path | None) -> list[dict]:
         path = Path(cfg["path"]).expanduser()
         if not path.is_file():
             raise SelfSpecError(f"dataset {cfg['name']!r}: no file {path}")
-        # a user's file is read once first: pyarrow's errors name neither the file nor the row (and a byte that is
-        # not UTF-8 surfaces only when the rows are read)
-        problem = json_file_problem(path)
-        if problem:
-            raise SelfSpecError(f"dataset {cfg['name']!r}: {problem}")
-        ds = datasets.load_dataset("json", data_files=str(path), split="train")
+        try:  # a byte that is not UTF-8 surfaces only when the rows are read
+            return list(datasets.load_dataset("json", data_files=str(path), split="train"))
+        except Exception as e:  # pyarrow's errors name neither the file nor the row: find them
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SelfSpecError(f"dataset {cfg['name']!r}: {json_file_problem(path) or first}") from None
     elif source == "hub":
         ds = datasets.load_dataset(cfg["path"], cfg.get("hub_name"), split=cfg.get("hub_split", "test"))
     else:
