@@ -41,6 +41,7 @@ from selfspec.search.study import (
     pin_study_attr,
     run_search,
     top_drafts,
+    warm_start_params,
 )
 from selfspec.search.variants import ablation_variants, skip_free, spread
 from selfspec.search.workers import WORKER, fail_dead_trials, holding, open_storage, running_elsewhere, worker_slot
@@ -87,9 +88,7 @@ def search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: 
     check_writable(Path(s.plans_dir), "draft files")
     # warm starts are read and checked before the study is opened: a refused one leaves no empty study behind
     warm = [DraftSpec.load(p) for p in s.warm_start] + (space.anchors() if s.anchors else [])
-    for spec in warm:
-        spec.plan.check_model(space.num_layers)
-        space.params_of(spec)
+    warm_start_params(space, warm)
     storage = open_storage(s.storage)
     with worker_slot(storage, s.study_name, s.liveness) as slot:
         return _search(lm, prompt_set, s, space, storage, slot, warm, on_trial, extra_provenance, setup_seconds)

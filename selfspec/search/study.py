@@ -112,13 +112,19 @@ def pin_study_attr(study: optuna.Study, name: str, value, message: str) -> None:
         raise SelfSpecError(message.format(recorded=recorded))
 
 
+def warm_start_params(space: SearchSpace, drafts: list[DraftSpec]) -> list[dict]:
+    """Each known draft as the trial parameters of ``space``; refuses a draft of another depth or outside it."""
+    for spec in drafts:
+        spec.plan.check_model(space.num_layers)
+    return [space.params_of(spec) for spec in drafts]
+
+
 def enqueue_warm_starts(study: optuna.Study, space: SearchSpace, drafts: list[DraftSpec]) -> int:
     """Enqueue known drafts to run first (only in a study with no trials yet)."""
     if study.get_trials(deepcopy=False):
         return 0
-    for spec in drafts:
-        spec.plan.check_model(space.num_layers)
-        study.enqueue_trial(space.params_of(spec), skip_if_exists=True)
+    for params in warm_start_params(space, drafts):
+        study.enqueue_trial(params, skip_if_exists=True)
     return len(drafts)
 
 
