@@ -179,7 +179,8 @@ def _write_rows(lm: LoadedModel, tasks: TaskSet, methods: list[Method], settings
         bar.set_postfix({short_name(r["method"]): f"{r['tokens_per_s']:.1f}t/s" for r in new_rows})
         if on_sample:
             on_sample(new_rows)
-    kept = [r for r in rows if r["sample_id"] in {s.id for s in samples}]
+    ids = {s.id for s in samples}
+    kept = [r for r in rows if r["sample_id"] in ids]
     if samples and not kept:  # nothing to compare: a run that measured nothing has not finished
         reasons = sorted(set(skipped.values()))
         raise SelfSpecError(f"every one of the {len(samples)} samples was skipped, so {path} holds no results "
