@@ -5,10 +5,11 @@
 Part 1, the attention alone: for each context length and 1 or 6 query rows (the model's head counts and head
 size, bf16, random values), transformers' SDPA function against :func:`selfspec.engine.attention.attention_forward`,
 with a causal mask over the cached keys (none for one row, as the model passes it), and the decode attention
-unpadded (its sum over the values over the key count as it comes: not row-invariant; what the padding costs).
+not row-invariant (``row_invariant=False``: the keys reduced as they come; what row-invariance costs).
 Part 2, steps of the model on its packed weights after a prefill of that many tokens: a one-row AR step, our AR
-step padded to 6 rows, a 4-row verify and a one-row int4 g128 full-depth draft step (full int4 head), each with
-each attention, all round-robin (a warm-up repetition first), medians. Prints and appends one JSON line to --out.
+step padded to 6 rows, a 4-row verify, a 13-row tree verify (3 candidates of 4 tokens) and a one-row int4 g128
+full-depth draft step (full int4 head), each with each attention, all round-robin (a warm-up repetition first),
+medians. Prints and appends one JSON line to --out.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from selfspec.engine.attention import CHUNK, attention_forward, decode_attention
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
+from selfspec.engine.tree import DraftTree, tree_attention_mask
 from selfspec.kernels.packed import kernels_label, packed_weights
 from selfspec.model.plan import SkipPlan
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
@@ -36,7 +38,7 @@ def round_robin(model, fns: dict, reps: int, clock: Clock) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(reps + 1):
         for name, (chunk, fn) in fns.items():
-            with decode_attention(model, chunk is not None, chunk or CHUNK):
+            with decode_attention(model, chunk is not None, chunk != 1):
                 t0 = clock.now()
                 fn()
                 dt = clock.now() - t0
@@ -55,11 +57,21 @@ def time_steps(model, draft: DraftPath, keys: int, reps: int, clock: Clock) -> d
         with draft.drafting():
             forward_at(model, cache, ctx[-1:], keys, keep=1)
 
+    tree = DraftTree(int(ctx[-1]), budget=12)  # 3 candidates of 4 tokens under the pending token: 13 rows
+    for c in range(3):
+        tree.add_path([100 + 10 * c + i for i in range(4)], "copy")
+    nodes, depth = torch.tensor(tree.tokens), torch.tensor(tree.depth)
+
+    def tree_verify():
+        mask = tree_attention_mask(model, tree, keys, "cpu")
+        forward_at(model, cache, nodes, keys, keep=len(nodes), position_ids=keys + depth, attention_mask=mask)
+
     fns = {}
     for chunk, att in ((None, "sdpa"), (1, "decode unpadded"), (CHUNK, "decode")):
         fns[f"AR 1 row {att}"] = (chunk, lambda: forward_at(model, cache, ctx[-1:], keys, keep=1))
         fns[f"AR 6 rows {att}"] = (chunk, lambda: forward_at(model, cache, ctx[-1:], keys, keep=1, rows=6))
         fns[f"verify 4 rows {att}"] = (chunk, lambda: forward_at(model, cache, ctx[-4:], keys, keep=4))
+        fns[f"tree verify 13 rows {att}"] = (chunk, tree_verify)
         fns[f"int4 draft step {att}"] = (chunk, drafted)
     with torch.inference_mode(), packed_weights(model):
         forward_at(model, cache, ctx, 0, keep=1)

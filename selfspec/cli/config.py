@@ -115,8 +115,7 @@ def search_settings(cfg: DictConfig) -> SearchSettings:
 
 def decode_config(cfg: DictConfig, dataset_max_new: int, spec: DraftSpec | None) -> DecodeConfig:
     """``cfg.decoding`` as :class:`DecodeConfig`. ``max_new_tokens: null`` takes the dataset's; ``k``,
-    ``adaptive`` and ``threshold`` null take the draft file's (the defaults without one); ``rows: null`` the CPU's,
-    or with ``exact`` the longest verify of the draft's chains (exact mode verifies chains) and the pending token."""
+    ``adaptive`` and ``threshold`` null take the draft file's (the defaults without one); ``rows: null`` the CPU's."""
     d = plain(cfg.decoding)
     sampling = typed(SamplingParams, {key: d.pop(key) for key in ("temperature", "top_k", "top_p") if key in d},
                      "decoding")
@@ -127,11 +126,7 @@ def decode_config(cfg: DictConfig, dataset_max_new: int, spec: DraftSpec | None)
         if d.get(key) is None:
             d[key] = value
     if d.get("rows", 0) is None:
-        if d.get("exact") is True and isinstance(d.get("k"), int):
-            chain = dataclasses.replace(policy.options, copy_candidates=1, branch_below=0.0, copy_fallback=0)
-            d["rows"] = max(2, chain.longest_verify(d["k"]) + 1)
-        else:
-            del d["rows"]  # the CPU's (DecodeConfig's default)
+        del d["rows"]  # the CPU's (DecodeConfig's default)
     return typed(DecodeConfig, {**d, "sampling": sampling}, "decoding")
 
 

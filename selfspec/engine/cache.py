@@ -105,20 +105,16 @@ class PositionalKVCache(Cache):
     """Preallocated KV cache for one sequence; the caller owns positions.
 
     API used by the decoding loop: :meth:`seek` (set the write window of the
-    next forward), :meth:`move_rows` and :attr:`max_len`. With ``fixed_keys`` every
-    forward attends over all ``max_len`` slots (the caller masks what lies ahead:
-    :func:`selfspec.engine.masks.causal_mask`), so every forward reduces over the same
-    number of keys (exact greedy mode, :class:`~selfspec.engine.decoding.DecodeConfig`). Everything else is the
+    next forward), :meth:`move_rows` and :attr:`max_len`. Everything else is the
     `transformers.Cache` interface the model's attention layers call.
     """
 
-    def __init__(self, model, max_len: int, batch_size: int = 1, fixed_keys: bool = False) -> None:
+    def __init__(self, model, max_len: int, batch_size: int = 1) -> None:
         config = model.config.get_text_config(decoder=True)
         n = num_layers(model)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n
         self.window = _Window()
         self._max_len = int(max_len)
-        self.fixed_keys = fixed_keys
         layers = [_PositionalLayer(self.window, self._max_len, t == "sliding_attention") for t in layer_types[:n]]
         super().__init__(layers=layers)
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -141,7 +137,7 @@ class PositionalKVCache(Cache):
             )
         self.window.start = start
         self.window.end = end
-        self.window.keys = self._max_len if self.fixed_keys else end
+        self.window.keys = end
         self.window.causal = causal
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:

@@ -27,9 +27,8 @@ import torch
 
 from selfspec.draft.fused import draft_step
 from selfspec.draft.path import DEFAULT_ADAPTIVE, DEFAULT_K, DEFAULT_THRESHOLD
-from selfspec.engine.attention import ATTENTION, decode_attention
+from selfspec.engine.attention import ATTENTION, ROW_INVARIANT, decode_attention
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
-from selfspec.engine.masks import causal_mask
 from selfspec.engine.sampling import (
     SamplingParams,
     probs_from_logits,
@@ -63,12 +62,11 @@ class DecodeConfig:
     1 where extra rows cost (AVX2 CPUs). Draft steps stay
     one row (the int8/int4 draft kernels cost more per row).
 
-    ``exact``: greedy self-speculative output token-identical to greedy autoregressive output
-    in bf16 too. Every full-model forward then has ``rows`` rows and attends over the same
-    number of keys (the whole preallocated cache, masked), so a token's row goes through the
-    same kernels with the same reductions in an AR step and in a verify pass. ``rows`` must
-    cover the longest verify (k+1, copy_tokens+1); the AR baseline must run with the same
-    ``rows`` and ``exact``. Chains only: draft trees are refused.
+    ``row_invariant`` (with ``attention="decode"``): every full-model forward computes each row as an AR
+    step at its position would (:mod:`selfspec.engine.attention`, docs/numerics.md), so greedy output equals
+    greedy AR output token for token in bf16 where the CPU's linear kernels are row-invariant too; false
+    reduces the attention over the keys as they come, which rounds a row differently by the forward's width
+    (kept for measuring what row-invariance costs).
 
     ``attention``: ``decode`` (default) attends through :mod:`selfspec.engine.attention` in every
     forward of a few rows (two batched products over the cache; torch's CPU SDPA runs its flash
@@ -103,8 +101,8 @@ class DecodeConfig:
     packed_weights: bool = True
     packed_only: bool = False
     rows: int = field(default_factory=default_rows)  # 6 where bf16 weights are packed, else 1 (no padding)
-    exact: bool = False
     attention: str = "decode"
+    row_invariant: bool = ROW_INVARIANT
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
@@ -115,9 +113,6 @@ class DecodeConfig:
             raise SelfSpecError(f"threshold must be in [0, 1), got {self.threshold}")
         if isinstance(self.rows, bool) or not isinstance(self.rows, int) or not 1 <= self.rows <= 64:
             raise SelfSpecError(f"rows (padded forward width) must be an integer in 1..64, got {self.rows!r}")
-        if self.exact and self.rows < 2:
-            raise SelfSpecError("exact greedy pads every full-model forward to `rows` rows: set rows to the longest "
-                                "verify (k+1, or copy_tokens+1 with copy drafting)")
         if isinstance(self.gate_probe, bool) or not isinstance(self.gate_probe, int) or self.gate_probe < 1:
             raise SelfSpecError(f"gate_probe (plain steps between model-draft probes) must be an integer >= 1, "
                                 f"got {self.gate_probe!r}")
@@ -172,8 +167,6 @@ def forward_at(model, cache: PositionalKVCache, tokens: torch.Tensor, start: int
         pos = torch.arange(start, start + width, device=tokens.device)[None]
     else:
         pos = positions[:, start : start + width]
-    if attention_mask is None and cache.fixed_keys:
-        attention_mask = causal_mask(model, start, width, cache.max_len, tokens.device)
     step = draft_step(model) if attention_mask is None and position_ids is None and pad <= 0 else None
     if step is not None:  # a draft forward whose kept sublayers all run fused (selfspec.draft.fused.FusedStep)
         logits = step(tokens, start, cache, keep)
@@ -209,9 +202,7 @@ class Request:
         self.device = next(model.parameters()).device
         self.prompt = ids.to(self.device)
         self.eos = frozenset(int(e) for e in eos_ids)
-        # exact mode: the same cache length (the keys every forward attends over) for every method
-        slots = cfg.rows if cfg.exact else extra_slots + cfg.rows
-        self.cache = PositionalKVCache(model, max_len=need + slots, fixed_keys=cfg.exact)
+        self.cache = PositionalKVCache(model, max_len=need + extra_slots + cfg.rows)
         self.positions = torch.arange(self.cache.max_len, device=self.device).unsqueeze(0)
         self.clock = Clock(self.device)
         self.stats = DecodeStats(method=method, prompt_tokens=ids.numel())
@@ -296,7 +287,7 @@ def autoregressive(model, prompt_ids, cfg: DecodeConfig, eos_ids=()) -> Generati
     """Plain decoding: one full-depth forward per new token."""
     run = Request(model, prompt_ids, cfg, eos_ids, "autoregressive", extra_slots=1)
     with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only), \
-            decode_attention(model, cfg.attention == "decode"):
+            decode_attention(model, cfg.attention == "decode", cfg.row_invariant):
         run.start()
         while not run.done:
             run.plain_step()

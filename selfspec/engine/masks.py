@@ -1,9 +1,8 @@
-"""Attention masks our loop passes to the model itself (draft trees, fixed key length).
+"""Attention masks our loop passes to the model itself (draft trees).
 
 The model's own mask is built from the cache's window; these are for forwards whose rows are
 not a plain run of consecutive positions over the keys written so far: a draft tree's nodes
-(:mod:`selfspec.engine.tree`) and the exact-greedy mode's forwards over a fixed number of keys
-(:func:`causal_mask`).
+(:mod:`selfspec.engine.tree`).
 """
 
 from __future__ import annotations
@@ -45,9 +44,3 @@ def layer_masks(model, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: 
         return prepared(allowed)
     return {name: prepared(m) for name, m in masks.items()}
 
-
-def causal_mask(model, start: int, width: int, keys: int, device) -> torch.Tensor | dict[str, torch.Tensor]:
-    """Rows at positions ``start..start+width-1`` over ``keys`` slots (slot = position), causal."""
-    q = torch.arange(start, start + width)
-    k = torch.arange(keys)
-    return layer_masks(model, k[None, :] <= q[:, None], q, k, device)

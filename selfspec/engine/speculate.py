@@ -311,17 +311,10 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
         raise SelfSpecError("the draft path was built for another plan or model")
     opts = draft.options
     longest = opts.longest_verify(cfg.k)
-    if cfg.exact and opts.tree:
-        raise SelfSpecError("exact greedy verifies chains: draft trees (copy_candidates > 1, branch_below > 0) "
-                            "are not supported with exact=true")
-    if cfg.exact and longest + 1 > cfg.rows:
-        raise SelfSpecError(f"exact greedy needs rows >= the longest verify ({longest + 1} tokens with k={cfg.k}"
-                            f"{f', copy_tokens={opts.copy_tokens}' if opts.ngram and opts.copy_tokens else ''}); "
-                            f"got rows={cfg.rows}")
     run = Request(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
     spec = Speculator(run, draft)
     with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only), \
-            decode_attention(model, cfg.attention == "decode"):
+            decode_attention(model, cfg.attention == "decode", cfg.row_invariant):
         spec.start()
         while not run.done:
             spec.round()

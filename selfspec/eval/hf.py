@@ -81,7 +81,7 @@ def hf_runner(lm: LoadedModel, name: str, gen_kwargs: dict, packed: bool = False
             for m in (model, *also_packed) if packed else ():
                 kernels.enter_context(packed_weights(m))
             for m in (model, *also_packed):  # the run's attention, on stock kernels too
-                kernels.enter_context(decode_attention(m, cfg.attention == "decode"))
+                kernels.enter_context(decode_attention(m, cfg.attention == "decode", cfg.row_invariant))
             out = model.generate(
                 input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
                 eos_token_id=eos, pad_token_id=pad, streamer=stamps, **sampling, **gen_kwargs,

@@ -235,8 +235,9 @@ def split_variant(name: str) -> tuple[str, str]:
 
 
 # decoding settings a method (variant) may set for itself (method_options.<name>.decoding): how our loop
-# pads its forwards, the draft's length policy and the model-draft gate; the rest (max_new_tokens, sampling, ...) a run shares
-PER_METHOD_DECODING = ("rows", "exact", "k", "adaptive", "threshold", "gate", "gate_probe")
+# pads its forwards and reduces its attention, the draft's length policy and the model-draft gate; the rest
+# (max_new_tokens, sampling, ...) a run shares
+PER_METHOD_DECODING = ("rows", "row_invariant", "k", "adaptive", "threshold", "gate", "gate_probe")
 
 
 def options_key(name: str) -> str:

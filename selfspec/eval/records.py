@@ -141,7 +141,7 @@ def decode_record(cfg: DecodeConfig) -> dict:
     packing is recorded as it ran: ``packed_weights: fp16`` / ``fp32`` for the copies (``fp16 panels r1`` where our
     fp16 kernel computed them, :func:`~selfspec.kernels.packed.pack_label`), absent
     with no oneDNN (the weights as loaded). Likewise ``rows``
-    appears only when not 1, ``exact`` only when on, ``gate`` and ``gate_probe``
+    appears only when not 1, ``row_invariant`` only when off, ``gate`` and ``gate_probe``
     only with the gate on, ``attention`` only when not ``sdpa`` (runs before it attended so).
     """
     rec = asdict(cfg)
@@ -150,9 +150,11 @@ def decode_record(cfg: DecodeConfig) -> dict:
         rec["packed_weights"] = rec["packed_only"] = False
     elif fmt in ("fp16", "fp32") and rec["packed_weights"]:
         rec["packed_weights"] = pack_label()
-    for key in ("packed_weights", "packed_only", "exact", "gate"):
+    for key in ("packed_weights", "packed_only", "gate"):
         if not rec[key]:
             del rec[key]
+    if rec["row_invariant"]:
+        del rec["row_invariant"]
     if not cfg.gate:
         del rec["gate_probe"]
     if rec["attention"] == "sdpa":

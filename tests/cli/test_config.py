@@ -71,8 +71,8 @@ def test_the_search_re_times_and_checks_held_out_on_prompts_of_every_kind():
         assert sorted(picked) == ["chat", "code", "math", "summarization"], picked
 
 
-def test_exact_mode_sizes_its_rows_from_the_draft():
-    """With exact and rows null, the rows cover the draft's longest chain verify: no rows to set by hand."""
+def test_the_decoding_defaults_need_no_rows_and_are_row_invariant():
+    """rows null takes the CPU's; the forwards are row-invariant unless a run says otherwise."""
     from selfspec.cli.config import conf_dir, decode_config
     from selfspec.draft.path import DraftOptions
     from selfspec.draft.spec import DraftSpec
@@ -81,7 +81,7 @@ def test_exact_mode_sizes_its_rows_from_the_draft():
 
     base = yaml.safe_load((conf_dir() / "decoding" / "default.yaml").read_text())
     spec = DraftSpec(SkipPlan(4), DraftOptions(ngram=3, copy_tokens=10, copy_candidates=3), k=5)
-    exact = decode_config(OmegaConf.create({"decoding": {**base, "exact": True}}), 8, spec)
-    assert exact.rows == 11 and exact.k == 5  # copies of up to 10 tokens and the pending one; the tree is not verified
-    assert decode_config(OmegaConf.create({"decoding": {**base, "exact": True, "rows": 16}}), 8, spec).rows == 16
-    assert decode_config(OmegaConf.create({"decoding": base}), 8, spec).rows == DecodeConfig().rows
+    cfg = decode_config(OmegaConf.create({"decoding": base}), 8, spec)
+    assert cfg.rows == DecodeConfig().rows and cfg.row_invariant and cfg.k == 5
+    off = decode_config(OmegaConf.create({"decoding": {**base, "row_invariant": False, "rows": 16}}), 8, spec)
+    assert off.rows == 16 and not off.row_invariant

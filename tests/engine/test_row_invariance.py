@@ -38,6 +38,40 @@ def test_a_rows_attention_is_the_same_in_any_forward(heads, kv_heads, dim):
     assert not differ, f"{len(differ)} (position, rows, row, extra keys) differ from the one-row result: {differ[:5]}"
 
 
+def _tree(g: torch.Generator, nodes: int) -> list[int]:
+    """A random draft tree's parents in slot order (node 0 the root; a parent before its children)."""
+    return [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, nodes)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", SHAPES)
+def test_a_tree_rows_attention_is_an_ar_steps_at_its_position(heads, kv_heads, dim):
+    """A tree's node attends the committed keys, then its ancestors in slots among other nodes': its result equals
+    the one-row result over the same keys laid out in order, as AR would hold them."""
+    g = torch.Generator().manual_seed(7 * heads + dim)
+    differ = []
+    for start in sorted({0, 3, 30, 31, 32, 60, 250, 255, 256, 500, 1000}):
+        parent = _tree(g, int(torch.randint(2, 25, (), generator=g)))
+        n = len(parent)
+        q, k, v = (torch.randn(1, h, start + n, dim, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads))
+        allowed = torch.zeros(n, start + n, dtype=torch.bool)
+        allowed[:, :start] = True
+        lines = []
+        for i in range(n):
+            line, j = [], i
+            while j >= 0:
+                allowed[i, start + j] = True
+                line.insert(0, start + j)
+                j = parent[j]
+            lines.append(list(range(start)) + line)
+        out, _ = attention_forward(None, q[:, :, start:], k, v, allowed[None, None])
+        for i, line in enumerate(lines):
+            keys = torch.tensor(line)
+            alone, _ = attention_forward(None, q[:, :, start + i : start + i + 1], k[:, :, keys], v[:, :, keys], None)
+            if not torch.equal(out[0, i], alone[0, 0]):
+                differ.append((start, n, i, len(line) - start))
+    assert not differ, f"{len(differ)} (start, nodes, node, depth + 1) differ from the one-row result: {differ[:5]}"
+
+
 def _bf16_linears():
     w = (torch.randn(1024, 512, generator=torch.Generator().manual_seed(0)) * 0.05).bfloat16()
     kinds = {"torch": lambda x: torch.nn.functional.linear(x, w)}
@@ -45,6 +79,21 @@ def _bf16_linears():
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         kinds["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return kinds
+
+
+def test_our_fp16_panels_give_a_row_the_same_bits_in_any_forward():
+    """The AVX2 CPUs' packed products (exact fp16 copies of bf16 weights): from one row up, whatever the row's place."""
+    from selfspec.kernels import fp16
+
+    if not fp16.available():
+        pytest.skip(f"our fp16 kernel does not run here: {fp16.unavailable_reason()}")
+    w = (torch.randn(1000, 512, generator=torch.Generator().manual_seed(0)) * 0.05).bfloat16()
+    panels = fp16.pack(w)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+    full = fp16.linear(x, panels, None, 1000)
+    differ = [n for n in range(1, 16) if not torch.equal(fp16.linear(x[:n], panels, None, 1000), full[:n])]
+    differ += [f"row {i}" for i in range(16) if not torch.equal(fp16.linear(x[i : i + 1], panels, None, 1000), full[i : i + 1])]
+    assert not differ, f"a row's product depends on the forward's rows ({differ})"
 
 
 @pytest.mark.parametrize("kind", list(_bf16_linears()))
@@ -60,8 +109,9 @@ def test_a_rows_linear_product_is_the_same_in_any_forward_of_two_rows_or_more(ki
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-def test_default_greedy_chains_are_token_identical_to_ar_in_bf16(make_model, arch):
-    """No exact mode, no rows to set: the defaults. Drafts that skip, quantize, copy and exit adaptively."""
+def test_default_greedy_chains_and_trees_are_token_identical_to_ar_in_bf16(make_model, arch):
+    """No exact mode, no rows to set: the defaults. Drafts that skip, quantize, copy, exit adaptively, and verify
+    trees of copies and of the draft's second-best tokens."""
     from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
     from selfspec.draft.path import DraftOptions, DraftPath
 
@@ -72,6 +122,9 @@ def test_default_greedy_chains_are_token_identical_to_ar_in_bf16(make_model, arc
         ar = autoregressive(model, prompt, cfg).tokens
         for plan, opts in ((SkipPlan(4, attn=(1,), mlp=(2,)), DraftOptions()),
                            (SkipPlan(4, attn=(0, 2)), DraftOptions(weights="int8")),
-                           (SkipPlan(4, mlp=(1, 3)), DraftOptions(ngram=1, copy_tokens=k + 2))):
+                           (SkipPlan(4, mlp=(1, 3)), DraftOptions(ngram=1, copy_tokens=k + 2)),
+                           (SkipPlan(4, attn=(3,)), DraftOptions(ngram=1, copy_tokens=k + 2, copy_candidates=3)),
+                           (SkipPlan(4, mlp=(0,)), DraftOptions(weights="int4", group_size=32, branch_below=0.6,
+                                                                tree_nodes=10))):
             sp = self_speculative(model, prompt, plan, cfg, draft=DraftPath(model, plan, opts))
             assert sp.tokens == ar, (arch, k, plan.describe(), opts)

@@ -201,10 +201,10 @@ def test_method_variants_take_their_methods_options_and_their_own(lm):
 
 def test_a_method_variant_may_pad_its_own_forwards(lm):
     cfg = DecodeConfig(max_new_tokens=4, k=2)
-    m = build_method("autoregressive-exact", lm, cfg, options={"decoding": {"rows": 3, "exact": True}})
-    assert m.cfg.rows == 3 and m.cfg.exact and m.cfg.k == 2 and m.cfg.max_new_tokens == 4
+    m = build_method("autoregressive-wide", lm, cfg, options={"decoding": {"rows": 3, "row_invariant": False}})
+    assert m.cfg.rows == 3 and not m.cfg.row_invariant and m.cfg.k == 2 and m.cfg.max_new_tokens == 4
     assert build_method("autoregressive", lm, cfg).cfg.rows == cfg.rows
-    with pytest.raises(SelfSpecError, match="may set rows, exact"):
+    with pytest.raises(SelfSpecError, match="may set rows, row_invariant"):
         build_method("autoregressive-x", lm, cfg, options={"decoding": {"max_new_tokens": 9}})
     with pytest.raises(SelfSpecError, match="applies to our own loop"):
         build_method("hf_generate-x", lm, cfg, options={"decoding": {"rows": 3}})

@@ -3,11 +3,15 @@
 // y[m, n] = sum_k x[m, k] * w[n, k] + bias[n] for x [M, K] (bf16 or fp32) and the exact fp16 copy of a bf16 weight,
 // laid out in panels of 16 outputs: w [P, K, 16] fp16, P = ceil(N / 16), panel p holding outputs 16p..16p+15 for each
 // input k (zeros past N). The products run in fp32 on AVX2 + FMA + F16C: each 16-output panel is read once per call
-// for all M rows (blocks of 6 rows x 16 outputs in twelve ymm accumulators, the panel's blocks of 256 inputs kept in
+// for all M rows (blocks of 3 rows x 16 outputs in twelve ymm accumulators, the panel's blocks of 256 inputs kept in
 // L1 across the row blocks), so a forward over 2-16 rows reads the weights about as fast as over one. fbgemm's fp16
 // kernel, which this replaces on such CPUs, handles 6 rows at a time and reads every weight again for each further 6
 // (docs/log.md). The sums run in fp32 in another order than fbgemm's: the same numbers up
 // to rounding, rounded once to the output's dtype.
+//
+// Row-invariant: every row's sum runs in the same order whatever the call's row count or the row's place in it (two
+// interleaved partial sums over each block of 256 inputs, added, then added to the blocks before), so a row computes
+// the same bits in a one-row step as in a verify (docs/numerics.md).
 #include <torch/library.h>
 #include <torch/torch.h>
 #include <ATen/Parallel.h>
@@ -21,13 +25,13 @@ namespace {
 constexpr int64_t KC = 256;        // inputs per block: a panel's block (8 KiB) stays in L1 across the row blocks
 constexpr int PF_AHEAD = 4096;     // software prefetch distance in a panel (bytes; 2048 read a little slower)
 
-// c[m, 0:16] (+)= sum over kc inputs of x[m, k] * w[k, 0:16] for MR rows, in registers: MR x 2 accumulators, or U
-// independent sets of them over consecutive inputs where MR is small (the FMA's latency needs ~8 chains). The
+// c[m, 0:16] (+)= sum over kc inputs of x[m, k] * w[k, 0:16] for MR <= 3 rows, in registers: U = 2 independent sets
+// of MR x 2 accumulators over consecutive inputs (chains for the FMA's latency), the same U for every MR. The
 // accumulators start from c (load_c) instead of being added to it at the end: a branch there made GCC keep them on
 // the stack (half the speed). PF: prefetch the panel ahead (the first row block of a panel's pass only).
 template <int MR, bool PF>
 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, float* c, bool load_c) {
-  constexpr int U = MR == 1 ? 4 : (MR <= 3 ? 2 : 1);
+  constexpr int U = 2;  // the same for every MR: a row's sum order never depends on the rows beside it
   __m256 acc[U][MR][2];
 #pragma GCC unroll 6
   for (int m = 0; m < MR; ++m) {
@@ -74,16 +78,15 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, fl
   }
 }
 
-// Calls f with the row count 1..6 as a compile-time constant.
+constexpr int64_t MR_MAX = 3;  // rows per block: 3 x 2 x U = 12 accumulators in the 16 ymm registers
+
+// Calls f with the row count 1..MR_MAX as a compile-time constant.
 template <typename F>
 inline void with_rows(int64_t mr, F&& f) {
   switch (mr) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    default: f(std::integral_constant<int, 6>{}); break;
+    default: f(std::integral_constant<int, 3>{}); break;
   }
 }
 
@@ -111,8 +114,8 @@ at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional
       const uint16_t* wpan = wp + p * K * 16;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        for (int64_t m0 = 0; m0 < M; m0 += 6) {
-          with_rows(std::min<int64_t>(6, M - m0), [&](auto mr) {
+        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+          with_rows(std::min<int64_t>(MR_MAX, M - m0), [&](auto mr) {
             constexpr int R = decltype(mr)::value;
             if (m0 == 0) micro<R, true>(xp + m0 * K + k0, K, wpan + k0 * 16, kc, tile.data() + m0 * 16, k0 > 0);
             else micro<R, false>(xp + m0 * K + k0, K, wpan + k0 * 16, kc, tile.data() + m0 * 16, k0 > 0);
