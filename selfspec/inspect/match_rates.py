@@ -1,7 +1,7 @@
 """Which methods' outputs equal which: per run folder, the share of samples with identical text.
 
-    selfspec-inspect match-rates results/runs/exact [--pairs self_speculative-exact:autoregressive-exact ...]
-        [--out results/tables/exact_match.md]
+    selfspec-inspect match-rates results/runs/headline [--pairs self_speculative:autoregressive ...]
+        [--out outputs/headline_match.md]
 
 Reads every ``samples.jsonl`` under the folder and, per task set, compares the outputs
 (``output_sha256``: every turn's text) of each pair of methods on the samples both decoded

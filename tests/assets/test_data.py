@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from selfspec import SelfSpecError
-from selfspec.assets.data import asks_for_summary, load_task_set, sharegpt_first_turns
+from selfspec.assets.data import asks_for_summary, history, load_task_set, sharegpt_conversations, sharegpt_first_turns
 from tests.helpers import CONF, HUMANEVAL_REF
 
 
@@ -44,6 +44,34 @@ def test_sharegpt_parser_drops_the_truncated_tail(tmp_path):
     assert rows == [{"id": "a", "text": "hi"}]
 
 
+def test_long_conversations_keep_a_history_that_ends_with_a_user_turn(tmp_path):
+    def turn(who, n, text="x"):
+        return {"from": who, "value": text * n}
+
+    opts = {"min_chars": 100, "max_chars": 400}
+    conv = {"id": "a", "turns": [turn("human", 60), turn("gpt", 60), turn("human", 60), turn("gpt", 200),
+                                 turn("human", 10), turn("gpt", 500)]}
+    assert [len(t["value"]) for t in history(conv, opts)] == [60, 60, 60, 200, 10]  # 390 chars, to the last user turn
+    assert history({**conv, "turns": conv["turns"][:2]}, opts) == []  # no user turn after an answer
+    assert history(conv, {**opts, "max_chars": 150}) == []  # within 150 chars: 120, under min_chars
+    assert history(conv, {**opts, "code_only": True}) == []
+    coded = {**conv, "turns": [turn("human", 1, "```py\nx = 1\n```" * 10), *conv["turns"][1:]]}
+    assert history(coded, {**opts, "code_only": True})
+    src = tmp_path / "sg.json"
+    src.write_text(json.dumps([{"id": "a", "conversations": conv["turns"]},
+                               {"id": "b", "conversations": [turn("gpt", 5)]}]))
+    rows = [json.loads(line) for line in sharegpt_conversations(src, tmp_path / "c.jsonl").read_text().splitlines()]
+    assert rows == [conv]
+    path = tmp_path / "rows.jsonl"
+    other = {**conv, "id": "b", "turns": [*conv["turns"][:4], turn("human", 10, "y"), turn("gpt", 5)]}
+    path.write_text("\n".join(json.dumps(r) for r in [conv, other, {**conv, "id": "c", "turns": []}]))
+    ts = load_task_set({"name": "long", "source": "json", "path": str(path), "format": "long_conversation",
+                        "options": opts, "calibration": {"n": 1}, "eval": {"offset": 1, "n": 1}})
+    (sample,) = ts.eval
+    assert sample.id == "sharegpt/b" and sample.turns[0].count("User: ") == 3 and sample.turns[0].endswith("User: " + "y" * 10)
+    assert "Assistant: " + "x" * 200 in sample.turns[0]
+
+
 def test_summarization_filter():
     body = "word " * 400
     assert asks_for_summary({"text": "Summarize this article:\n" + body}, {})
@@ -54,7 +82,7 @@ def test_summarization_filter():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["humaneval", "gsm8k", "mtbench", "summarization"])
+@pytest.mark.parametrize("name", ["humaneval", "gsm8k", "mtbench", "summarization", "longchat", "longcode"])
 def test_packaged_task_sets(name):
     ts = load_task_set(yaml.safe_load((CONF / "dataset" / f"{name}.yaml").read_text()))
     assert len(ts.calibration) >= 8 and len(ts.eval) >= 10

@@ -110,7 +110,7 @@ def test_a_rows_linear_product_is_the_same_in_any_forward_of_two_rows_or_more(ki
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_default_greedy_chains_and_trees_are_token_identical_to_ar_in_bf16(make_model, arch):
-    """No exact mode, no rows to set: the defaults. Drafts that skip, quantize, copy, exit adaptively, and verify
+    """Nothing set, no rows to choose: the defaults. Drafts that skip, quantize, copy, exit adaptively, and verify
     trees of copies and of the draft's second-best tokens."""
     from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
     from selfspec.draft.path import DraftOptions, DraftPath

@@ -77,6 +77,20 @@ def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, capsys, tiny_
     assert record["summary"]["chain"]["tokens_gain"] == 1.0 and "oracle" in p.stdout
 
 
+def test_route_bounds_price_each_route_on_the_drafts_own_rounds(tmp_path, capsys, tiny_study):
+    out, plan = tmp_path / "routes.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
+    p = _run(capsys, "route-bounds", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens",
+             "12", "--groups", "--levels", "0.5", "--contexts", "40", "--top", "8", "--dtype", "float32", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    routes, n = record["summary"], json.loads(plan.read_text())["num_layers"]
+    assert {"as found", "exit oracle", "second level 0.5", "context 40", "context 40 no attention"} <= set(routes)
+    assert 1 / n <= record["exit_fraction"]["all"] <= 1.0
+    assert routes["exit oracle"] >= routes["as found"] * 0.999  # its layers cost at most what they cost
+    assert routes["context 40 no attention"] >= routes["context 40"] * 0.999
+    assert 0 <= record["contexts"]["40"]["attention_share_of_draft_step"] < 1 and "exit oracle" in p.stdout
+
+
 def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, capsys):
     def row(sample, method, tokens, seconds, rounds=0, accepted=0):
         return {"type": "sample", "sample_id": sample, "method": method, "turns": 1, "new_tokens": tokens,
