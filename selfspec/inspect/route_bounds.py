@@ -48,15 +48,14 @@ from selfspec.draft.path import DraftPath
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache
-from selfspec.engine.decoding import DecodeConfig, autoregressive, forward_at
+from selfspec.engine.decoding import forward_at
 from selfspec.engine.harness import rotated
 from selfspec.engine.stats import Clock
-from selfspec.inspect.tree_bound import group_of
+from selfspec.inspect.tree_bound import ar_continuations, replayed, study_arguments
 from selfspec.kernels.packed import packed_weights
 from selfspec.model.arch import arch_of
 from selfspec.model.plan import SkipPlan
 from selfspec.provenance import append_row
-from selfspec.search.calibration import replay_study
 from selfspec.search.costs import CostModel, SublayerCosts, costs_for_drafts, weight_format
 from selfspec.search.rounds import RoundCounts
 from selfspec.search.simulate import RoundSimulator
@@ -157,29 +156,17 @@ def at_context(costs: CostModel, spec: DraftSpec, t: dict[str, float]) -> CostMo
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="selfspec-inspect route-bounds", description=__doc__.split("\n\n")[0])
-    ap.add_argument("study", help="the study's storage (.db or .journal): its calibration prompts")
-    ap.add_argument("--name", help="the study's name (default: the file's stem)")
-    ap.add_argument("--draft", required=True, help="the draft file")
-    ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
-    ap.add_argument("--groups", nargs="*", default=["humaneval", "gsm8k", "mtbench", "summarization"],
-                    help="names of the study's parts, in order (none: one group)")
+    study_arguments(ap)
     ap.add_argument("--levels", type=float, nargs="*", default=[0.5, 0.25], help="second-level layer fractions")
     ap.add_argument("--bits", type=int, nargs="*", default=[3, 2], help="draft weight bits to price")
     ap.add_argument("--contexts", type=int, nargs="*", default=[2048, 4096, 8192], help="context lengths to time")
     ap.add_argument("--skips", nargs="*", default=[], help="draft files whose skipped sublayers to try on this draft")
     ap.add_argument("--top", type=int, default=64, help="candidates the exit oracle's head scores")
-    ap.add_argument("--dtype", default="bfloat16", help="the model's dtype, as the search ran it")
     ap.add_argument("--out", default="results/route_bounds.jsonl")
     args = ap.parse_args(argv)
-    name, saved, _, lm = replay_study(args.study, args.name, args.dtype)
-    spec = DraftSpec.load(args.draft)
-    prompts = saved["key"]["prompts"]
-    groups = group_of(len(prompts), args.groups)
+    name, lm, spec, prompts, groups = replayed(args)
     fmt = weight_format(spec.options)
-    conts = []
-    for i, p in enumerate(prompts, 1):
-        print(f"decoding prompt {i}/{len(prompts)} with our AR", file=sys.stderr, flush=True)
-        conts.append(autoregressive(lm.model, p, DecodeConfig(max_new_tokens=args.tokens), lm.eos_ids).tokens)
+    conts = ar_continuations(lm, prompts, args.tokens)
     print("simulating the draft's rounds", file=sys.stderr, flush=True)
     sim = RoundSimulator(lm.model, prompts, conts, lm.eos_ids)
     counts = {g: sim.simulate(spec, prompts=idx) for g, idx in groups}

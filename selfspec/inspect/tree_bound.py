@@ -70,32 +70,47 @@ def group_of(n_prompts: int, names: list[str]) -> list[tuple[str, list[int]]]:
     return [(name, list(range(g * per, (g + 1) * per))) for g, name in enumerate(names)]
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="selfspec-inspect tree-bound", description=__doc__.split("\n\n")[0])
+def study_arguments(ap: argparse.ArgumentParser) -> None:
+    """The arguments of a subcommand that replays a study's calibration prompts with a draft."""
     ap.add_argument("study", help="the study's storage (.db or .journal): its calibration prompts")
     ap.add_argument("--name", help="the study's name (default: the file's stem)")
     ap.add_argument("--draft", required=True, help="the draft file")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--groups", nargs="*", default=["humaneval", "gsm8k", "mtbench", "summarization"],
                     help="names of the study's parts, in order (none: one group)")
-    ap.add_argument("--branch", type=float, nargs="*", default=[0.3, 0.6, 0.99], help="branch_below values to simulate")
-    ap.add_argument("--nodes", type=int, nargs="*", default=[8, 12], help="tree_nodes values to simulate")
-    ap.add_argument("--k", type=int, nargs="*", default=[3, 4, 6, 8, 10], help="other depths for the chain and oracle")
     ap.add_argument("--dtype", default="bfloat16", help="the model's dtype, as the search ran it")
-    ap.add_argument("--out", default="results/tree_bound.jsonl")
-    args = ap.parse_args(argv)
+
+
+def replayed(args: argparse.Namespace) -> tuple:
+    """What :func:`study_arguments` name: the study's name, its model, the draft, its calibration prompts and their
+    groups."""
     name, saved, _, lm = replay_study(args.study, args.name, args.dtype)
-    spec = DraftSpec.load(args.draft)
     prompts = saved["key"]["prompts"]
-    groups = group_of(len(prompts), args.groups)
-    drafts = variants(spec, args.branch, args.nodes, args.k)
-    oracles = {ORACLE: drafts["chain"]} | {n.replace("chain", ORACLE, 1): d for n, d in drafts.items()
-                                           if n.startswith("chain k=")}
-    cfg = DecodeConfig(max_new_tokens=args.tokens)
+    return name, lm, DraftSpec.load(args.draft), prompts, group_of(len(prompts), args.groups)
+
+
+def ar_continuations(lm, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Our AR's greedy continuation of each prompt, ``tokens`` long at most."""
     conts = []
     for i, p in enumerate(prompts, 1):
         print(f"decoding prompt {i}/{len(prompts)} with our AR", file=sys.stderr, flush=True)
-        conts.append(autoregressive(lm.model, p, cfg, lm.eos_ids).tokens)
+        conts.append(autoregressive(lm.model, p, DecodeConfig(max_new_tokens=tokens), lm.eos_ids).tokens)
+    return conts
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="selfspec-inspect tree-bound", description=__doc__.split("\n\n")[0])
+    study_arguments(ap)
+    ap.add_argument("--branch", type=float, nargs="*", default=[0.3, 0.6, 0.99], help="branch_below values to simulate")
+    ap.add_argument("--nodes", type=int, nargs="*", default=[8, 12], help="tree_nodes values to simulate")
+    ap.add_argument("--k", type=int, nargs="*", default=[3, 4, 6, 8, 10], help="other depths for the chain and oracle")
+    ap.add_argument("--out", default="results/tree_bound.jsonl")
+    args = ap.parse_args(argv)
+    name, lm, spec, prompts, groups = replayed(args)
+    drafts = variants(spec, args.branch, args.nodes, args.k)
+    oracles = {ORACLE: drafts["chain"]} | {n.replace("chain", ORACLE, 1): d for n, d in drafts.items()
+                                           if n.startswith("chain k=")}
+    conts = ar_continuations(lm, prompts, args.tokens)
     print("measuring the cost model", file=sys.stderr, flush=True)
     costs = costs_for_drafts(lm, prompts[0] + conts[0], list(drafts.values()))
     sim = RoundSimulator(lm.model, prompts, conts, lm.eos_ids)
