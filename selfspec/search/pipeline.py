@@ -11,12 +11,14 @@ draft file (by the last worker to finish).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import optuna
+import torch
 from tqdm.auto import tqdm
 
 from selfspec.assets.data import PromptSet
@@ -32,7 +34,7 @@ from selfspec.search.report import SearchReport, measured_part, stage
 from selfspec.search.retime import WallclockObjective, retime
 from selfspec.search.settings import SearchSettings, fit_final_stages
 from selfspec.search.simulate import RoundSimulator
-from selfspec.search.space import SearchSpace
+from selfspec.search.space import SearchSpace, fitting_groups
 from selfspec.search.study import (
     PredictedObjective,
     enqueue_warm_starts,
@@ -83,7 +85,13 @@ def search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: 
     the draft file; the others return None. ``setup_seconds``: what the caller spent before (fetching and
     loading), counted against ``s.time_target_s``.
     """
-    space = SearchSpace(lm.num_layers, s.min_skipped, s.max_skipped, s.protect_first_last, s.space)
+    width = math.gcd(*(m.in_features for m in lm.model.modules() if isinstance(m, torch.nn.Linear)))
+    dims = fitting_groups(s.space, width)
+    if dims.group_size != s.space.group_size:
+        print(f"[selfspec] int4 groups of {', '.join(str(g) for g in s.space.group_size if g not in dims.group_size)} "
+              f"do not divide this model's linear inputs (multiples of {width}): searching groups of "
+              f"{', '.join(map(str, dims.group_size))}", file=sys.stderr)
+    space = SearchSpace(lm.num_layers, s.min_skipped, s.max_skipped, s.protect_first_last, dims)
     space.check()
     check_writable(Path(s.plans_dir), "draft files")
     # warm starts are read and checked before the study is opened: a refused one leaves no empty study behind

@@ -41,6 +41,13 @@ ANCHORS: tuple[dict[str, tuple], ...] = (
 )
 
 
+def fitting_groups(dims: DraftDims, width: int) -> DraftDims:
+    """``dims`` without the int4 group sizes that do not divide ``width`` (the greatest common divisor of the model's
+    linear inputs: a tiny model's 64 take groups of 32, not 128); unchanged where none would be left."""
+    fit = tuple(g for g in dims.group_size if width % g == 0)
+    return replace(dims, group_size=fit) if fit and fit != dims.group_size else dims
+
+
 @dataclass(frozen=True)
 class DraftDims:
     weights: tuple[str, ...] = ("model", "int8", "int4")

@@ -301,7 +301,8 @@ def test_wandb_runs_offline_under_a_read_only_home_and_refuses_online_without_a_
 def test_ctrl_c_while_an_entry_point_imports_is_a_quiet_stop(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "selfspec.search", "model=tiny-llama", "logger=none",
                           f"hydra.run.dir={tmp_path}/run", f"search.storage={tmp_path}/s.db",
-                          f"plans_dir={tmp_path}/plans"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          f"plans_dir={tmp_path}/plans"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a parent may ignore it
     time.sleep(0.3)  # inside the imports (torch alone takes longer)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)

@@ -52,3 +52,12 @@ def test_the_final_stages_lose_repetitions_only_where_that_meets_the_time_target
             "the held-out check ran 1 repetition (not 2); search.fit_target=false runs them as set.") in format_report(r)
     r.trimmed = []
     assert "fit_target" not in format_report(r)
+
+
+def test_int4_groups_that_do_not_divide_the_models_inputs_leave_the_space():
+    from selfspec.search.space import DraftDims, fitting_groups
+
+    dims = DraftDims(group_size=(32, 128))
+    assert fitting_groups(dims, 64).group_size == (32,)  # a tiny model's 64-wide inputs
+    assert fitting_groups(dims, 1536) is dims
+    assert fitting_groups(DraftDims(group_size=(128,)), 64).group_size == (128,)  # none would be left: the draft says
