@@ -22,6 +22,8 @@ so the draft's numbers do not change.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -48,6 +50,12 @@ def _int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     scale = ((hi - lo) / 15.0).clamp(min=1e-8)
     q = torch.round((wg - lo) / scale).clamp(0, 15).reshape(n, k).to(torch.int32)
     return q, scale.squeeze(-1), (lo + 8.0 * scale).squeeze(-1)
+
+
+def group_width(model: nn.Module) -> int:
+    """The widest int4 group every linear layer of ``model`` can take: its inputs' greatest common divisor (a
+    group size must divide it, :func:`_int4_groups`)."""
+    return math.gcd(*(m.in_features for m in model.modules() if isinstance(m, nn.Linear)))
 
 
 def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,7 @@ import functools
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -86,7 +87,8 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
         allowed = attention_mask[:, 0, :, :keys].expand(b, rows, keys)
         plans = _plans_of(attention_mask, allowed, chunk)
     outs = []
-    for i, (index, width, shared, groups, first) in enumerate(plans):
+    for i, plan in enumerate(plans):
+        index, width, first = plan.index, plan.width, plan.first
         # heads h = j * group + u share key/value head j: rows (u, q) of one product per key/value head. The keys and
         # the values go to the accumulation type with zeros past them, to the plan's columns (whole chunks)
         cols = max(width, keys + (index is not None))  # a tree's gather reads column `keys` for "no key"
@@ -99,7 +101,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
         if chunk == 1:
             outs.append(torch.bmm(s[..., :keys].reshape(kv_heads, group * rows, keys).softmax(-1), v[:, :keys]))
         else:
-            outs.append(_row_invariant(s, v, (index, width, shared, groups)))
+            outs.append(_row_invariant(s, v, plan))
     out = outs[0] if b == 1 else torch.cat([o.reshape(1, heads, rows, dim) for o in outs])
     return out.to(value.dtype).reshape(b, heads, rows, dim).transpose(1, 2).contiguous(), None
 
@@ -128,22 +130,29 @@ def frame(allowed: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, tor
     return index, count, (index == columns).cumprod(-1).sum(-1)
 
 
+class Plan(NamedTuple):
+    """How one batch row's forward reduces (:func:`_row_invariant`)."""
+
+    index: torch.Tensor | None  # each row's keys' columns in order (:func:`frame`); None: column j for every row
+    width: int  # the columns the softmax runs over: the longest row's keys in whole chunks
+    shared: int  # the leading columns every row reads in place, in whole chunks (the rest gathered per row)
+    groups: list[tuple]  # (rows or None for all, length, split, per_row_head) for the rows whose keys pad to length
+    first: int  # the leading columns every row attends in place
+
+
 @functools.lru_cache(maxsize=64)
-def _plan_one_row(keys: int, chunk: int) -> tuple:
+def _plan_one_row(keys: int, chunk: int) -> Plan:
     """:func:`_plan` for one row over all ``keys`` (an unmasked step)."""
-    width = -(-keys // chunk) * chunk
-    return None, width, width, [(None, width, max(width - 2 * chunk, 0), False)], keys
+    return _plan(torch.ones(1, keys, dtype=torch.bool), chunk)
 
 
-def _plan(allowed: torch.Tensor, chunk: int) -> tuple:
-    """How one batch row's forward reduces (:func:`_row_invariant`): ``(index, width, shared, groups, first)``;
-    ``groups``: ``(rows, length, split, per_row_head)`` for the rows whose keys pad to ``length``; ``first``: the
-    columns every row attends."""
+def _plan(allowed: torch.Tensor, chunk: int) -> Plan:
+    """The :class:`Plan` of one batch row's forward, from its mask ``allowed`` ``[rows, keys]``."""
     index, count, same = frame(allowed)
     length = ((count + chunk - 1) // chunk).clamp_min(1) * chunk
     width = int(length.max())
-    shared = width if index is None else min(int(same.min()) // chunk * chunk, width)
-    first = int(allowed.all(0).cumprod(0).sum())
+    first = int(same.min())
+    shared = width if index is None else min(first // chunk * chunk, width)
     if index is not None and width > index.shape[-1]:
         index = torch.nn.functional.pad(index, (0, width - index.shape[-1]), value=allowed.shape[-1])
     groups = []
@@ -152,7 +161,7 @@ def _plan(allowed: torch.Tensor, chunk: int) -> tuple:
         split = max(ell - 2 * chunk, 0)
         per_row_head = index is not None and bool((same[rows] < split).any())
         groups.append((None if len(rows) == len(length) else rows, ell, split, per_row_head))
-    return index, width, shared, groups, first
+    return Plan(index, width, shared, groups, first)
 
 
 _memo: list = [None, None]  # (a weak reference to the last mask, its plans): every layer of a forward gets one mask
@@ -167,11 +176,11 @@ def _plans_of(mask: torch.Tensor, allowed: torch.Tensor, chunk: int) -> list:
     return plans
 
 
-def _row_invariant(s: torch.Tensor, v: torch.Tensor, plan: tuple) -> torch.Tensor:
+def _row_invariant(s: torch.Tensor, v: torch.Tensor, plan: Plan) -> torch.Tensor:
     """Masked scores ``s`` ``[1, kv, group, rows, cols]`` (-inf past the keys) and the padded values ``v``
     ``[kv, cols, d]`` to the output ``[1, kv, group, rows, d]``, each row over its own keys in order (module
     docstring)."""
-    index, width, shared, groups = plan
+    index, width, shared, groups = plan.index, plan.width, plan.shared, plan.groups
     if index is None:
         f = s[..., :width]
     else:  # past the columns every row reads in place, each row's keys gathered in order (none: column `keys`)

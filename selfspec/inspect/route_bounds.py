@@ -182,10 +182,11 @@ def main(argv: list[str] | None = None) -> None:
         skip_counts[label] = {g: sim.simulate(d, prompts=idx) for g, idx in groups}
     print("measuring where the draft's tokens are decided", file=sys.stderr, flush=True)
     path = DraftPath(lm.model, spec.plan, spec.options, stop_ids=lm.eos_ids)
-    exits = {g: torch.cat([exit_layers(lm.model, path, prompts[i], conts[i], args.top) for i in idx])
-             for g, idx in groups}
+    exit_frac = {g: float(torch.cat([exit_layers(lm.model, path, prompts[i], conts[i], args.top) for i in idx])
+                          .float().mean()) / n for g, idx in groups}
     print("measuring the cost model", file=sys.stderr, flush=True)
-    costs = costs_for_drafts(lm, prompts[0] + conts[0], [spec])
+    context = prompts[0] + conts[0]
+    costs = costs_for_drafts(lm, context, [spec])
     routes: dict[str, dict[str, float]] = {"as found": {}, "exit oracle": {}, "skip everything": {}}
     nothing_left = with_layer_costs(costs, fmt, 0.0)  # a draft of its embedding, norms and head alone
     for g, _ in groups:
@@ -193,8 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         routes["skip everything"][g] = nothing_left.predicted_speedup(counts[g], spec)
         for label, d in skipped.items():
             routes.setdefault(label, {})[g] = costs.predicted_speedup(skip_counts[label][g], d)
-        frac = float(exits[g].float().mean()) / n
-        routes["exit oracle"][g] = with_layer_costs(costs, fmt, frac).predicted_speedup(counts[g], spec)
+        routes["exit oracle"][g] = with_layer_costs(costs, fmt, exit_frac[g]).predicted_speedup(counts[g], spec)
         for f in args.levels:
             routes.setdefault(f"second level {f:g}", {})[g] = second_level(costs, counts[g], spec, f)
         if fmt.startswith("int4"):
@@ -203,11 +203,10 @@ def main(argv: list[str] | None = None) -> None:
                     counts[g], spec)
     longest = max(costs.t_verify)
     context_costs = {}
-    base_ctx = prompts[0] + conts[0]
     no_attn = replace(spec, plan=SkipPlan(n, attn=tuple(range(n)), mlp=spec.plan.mlp))
     for length in args.contexts:
         print(f"timing steps after {length} tokens of context", file=sys.stderr, flush=True)
-        t = time_at_context(lm.model, spec, (base_ctx * (length // len(base_ctx) + 1))[:length], longest,
+        t = time_at_context(lm.model, spec, (context * (length // len(context) + 1))[:length], longest,
                             stop_ids=lm.eos_ids)
         at = at_context(costs, spec, t)
         context_costs[length] = {"times": t, "draft_step": at.step_time(spec), "t_full": at.t_full,
@@ -219,7 +218,6 @@ def main(argv: list[str] | None = None) -> None:
             for label, d in skipped.items():
                 routes.setdefault(f"context {length} {label}", {})[g] = at.predicted_speedup(skip_counts[label][g], d)
     names = [g for g, _ in groups]
-    exit_frac = {g: float(exits[g].float().mean()) / n for g in names}
     print(f"{len(prompts)} calibration prompts of {name} x {args.tokens} tokens; draft {spec.describe()}; prices: a "
           f"cost model measured now ({costs.machine.get('cpu', '?')}, {costs.machine.get('isa', '?')}, "
           f"{costs.machine.get('kernels', '?')})")

@@ -11,18 +11,17 @@ draft file (by the last worker to finish).
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import optuna
-import torch
 from tqdm.auto import tqdm
 
 from selfspec.assets.data import PromptSet
 from selfspec.assets.models import LoadedModel, encode_prompt
+from selfspec.draft.lowbit import group_width
 from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
 from selfspec.locks import check_writable
@@ -85,7 +84,7 @@ def search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: 
     the draft file; the others return None. ``setup_seconds``: what the caller spent before (fetching and
     loading), counted against ``s.time_target_s``.
     """
-    width = math.gcd(*(m.in_features for m in lm.model.modules() if isinstance(m, torch.nn.Linear)))
+    width = group_width(lm.model)
     dims = fitting_groups(s.space, width)
     if dims.group_size != s.space.group_size:
         print(f"[selfspec] int4 groups of {', '.join(str(g) for g in s.space.group_size if g not in dims.group_size)} "
