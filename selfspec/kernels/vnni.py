@@ -47,8 +47,9 @@ BUILDS = {"avx512-vnni": (("fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnn
           "avx2": (("fma", "avx2"), ("-mfma", "-mavx2"))}
 # each build's revision: a change that moves its speed counts as a new kernel in the machine fingerprint, so that
 # studies re-measure their cost models (avx2 r2: one load per 64 packed bytes and a prefetch; r3: the draft
-# attention's dot products in four independent sums, docs/log.md)
-REVISIONS = {"avx512-vnni": 1, "avx2": 3}
+# attention's dot products in four independent sums; avx512-vnni r2: avx2 r2's one load per 64 packed bytes and
+# prefetch, docs/log.md)
+REVISIONS = {"avx512-vnni": 2, "avx2": 3}
 BLOCK = 128  # inputs per 64 packed bytes
 GROUPS = (32, 64, 128, 256)  # the kernel's int4 group sizes
 ENV = "SELFSPEC_INT4_KERNEL"  # aten: never use this kernel

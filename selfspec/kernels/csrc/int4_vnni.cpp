@@ -48,42 +48,59 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G, int8_
   }
 }
 
+// packed bytes read ahead of the chunk in use: the rows are contiguous, so it runs on into the next rows (2 KiB took
+// the AVX2 build's one-row product from ~22 to ~29 G weights/s on a Zen 3; with one load per chunk, the AVX-512
+// build's MLP products from ~37 to ~50 on a Zen 4, docs/log.md)
+constexpr int64_t PREFETCH_BYTES = 2048;
+
 #if defined(__AVX512VNNI__)
+
+// Chunk c of a row's bytes (64 bytes, 128 inputs), loaded once: q[0] its low halves (inputs 0-63, block 2c), q[1]
+// its high halves (inputs 64-127, block 2c + 1).
+inline void chunk_q(const uint8_t* wr, int64_t c, __m512i q[2]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* src = wr + c * 64;
+  _mm_prefetch(reinterpret_cast<const char*>(src + PREFETCH_BYTES), _MM_HINT_T0);
+  const __m512i bytes = _mm512_loadu_si512(static_cast<const void*>(src));
+  q[0] = _mm512_and_si512(bytes, low4);
+  q[1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+}
 
 // Output rows [n0, n1) for input rows [m0, m0 + MB): each weight byte is loaded and unpacked once for MB rows.
 template <int MB>
 void rows_block(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, const float* XS, const float* XG,
                 at::BFloat16* Y, int64_t K, int64_t N, int64_t G, int64_t m0, int64_t n0, int64_t n1) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int64_t groups = K / G, halves = G / 64, blocks = K / 64;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = W + n * (K / 2);
     const at::BFloat16* szr = SZ + n * groups * 2;
-    __m512 acc[MB];
+    __m512 acc[MB], acc_g[MB];
     float zero_term[MB];
     for (int i = 0; i < MB; ++i) {
-      acc[i] = _mm512_setzero_ps();
+      acc[i] = acc_g[i] = _mm512_setzero_ps();
       zero_term[i] = 0.f;
     }
-    int64_t h = 0;  // the block of 64 inputs
-    for (int64_t g = 0; g < groups; ++g) {
-      __m512 acc_g[MB];
-      for (int i = 0; i < MB; ++i) acc_g[i] = _mm512_setzero_ps();
-      for (int64_t e = 0; e < halves; ++e, ++h) {
-        const __m512i bytes = _mm512_loadu_si512(static_cast<const void*>(wr + (h >> 1) * 64));
-        const __m512i q = (h & 1) ? _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4) : _mm512_and_si512(bytes, low4);
+    int64_t g = 0, e = 0;  // the group, and the blocks of it done
+    for (int64_t c = 0; c < blocks / 2; ++c) {
+      __m512i q[2];
+      chunk_q(wr, c, q);
+      for (int half = 0; half < 2; ++half) {
+        const int64_t h = 2 * c + half;
         for (int i = 0; i < MB; ++i) {
           const int64_t m = m0 + i;
           const __m512i a = _mm512_loadu_si512(static_cast<const void*>(XQ + m * K + h * 64));
-          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, a);
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[half], a);
           acc_g[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(XS[m * blocks + h]), acc_g[i]);
         }
-      }
-      const float scale = static_cast<float>(szr[2 * g]), zero = static_cast<float>(szr[2 * g + 1]);
-      const __m512 s = _mm512_set1_ps(scale);
-      for (int i = 0; i < MB; ++i) {
-        acc[i] = _mm512_fmadd_ps(acc_g[i], s, acc[i]);
-        zero_term[i] += (zero - 8.f * scale) * XG[(m0 + i) * groups + g];  // sum (q - 8) s a + z a = s q.a + (z - 8 s) a
+        if (++e < halves) continue;
+        const float scale = static_cast<float>(szr[2 * g]), zero = static_cast<float>(szr[2 * g + 1]);
+        const __m512 s = _mm512_set1_ps(scale);
+        for (int i = 0; i < MB; ++i) {
+          acc[i] = _mm512_fmadd_ps(acc_g[i], s, acc[i]);
+          acc_g[i] = _mm512_setzero_ps();
+          zero_term[i] += (zero - 8.f * scale) * XG[(m0 + i) * groups + g];  // sum (q - 8) s a + z a = s q.a + (z - 8 s) a
+        }
+        ++g, e = 0;
       }
     }
     for (int i = 0; i < MB; ++i) Y[(m0 + i) * N + n] = at::BFloat16(_mm512_reduce_add_ps(acc[i]) + zero_term[i]);
@@ -96,7 +113,6 @@ void rows_block(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, cons
 template <int MB>
 void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, const float* XS, const float* XG,
                     at::BFloat16* Y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i spread = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);  // s0 x 8, s1 x 8
   const int64_t groups = K / 32, blocks = K / 64;
   for (int64_t n = n0; n < n1; ++n) {
@@ -108,21 +124,24 @@ void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, 
       acc[i] = _mm512_setzero_ps();
       zacc[i] = _mm_setzero_ps();
     }
-    for (int64_t h = 0; h < blocks; ++h) {
-      const __m512i bytes = _mm512_loadu_si512(static_cast<const void*>(wr + (h >> 1) * 64));
-      const __m512i q = (h & 1) ? _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4) : _mm512_and_si512(bytes, low4);
-      // (s0, z0, s1, z1) of groups 2h and 2h + 1: bf16 -> fp32 is a shift of 16 bits
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(szr + 4 * h));
-      const __m128 sz4 = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(raw), 16));
-      const __m512 ws = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sz4));
-      for (int i = 0; i < MB; ++i) {
-        const int64_t m = m0 + i;
-        const __m512i a = _mm512_loadu_si512(static_cast<const void*>(XQ + m * K + h * 64));
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, a);
-        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(XS[m * blocks + h]));
-        acc[i] = _mm512_fmadd_ps(scaled, ws, acc[i]);
-        const float a0 = XG[m * groups + 2 * h], a1 = XG[m * groups + 2 * h + 1];
-        zacc[i] = _mm_fmadd_ps(sz4, _mm_setr_ps(-8.f * a0, a0, -8.f * a1, a1), zacc[i]);
+    for (int64_t c = 0; c < blocks / 2; ++c) {
+      __m512i q[2];
+      chunk_q(wr, c, q);
+      for (int half = 0; half < 2; ++half) {
+        const int64_t h = 2 * c + half;
+        // (s0, z0, s1, z1) of groups 2h and 2h + 1: bf16 -> fp32 is a shift of 16 bits
+        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(szr + 4 * h));
+        const __m128 sz4 = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(raw), 16));
+        const __m512 ws = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sz4));
+        for (int i = 0; i < MB; ++i) {
+          const int64_t m = m0 + i;
+          const __m512i a = _mm512_loadu_si512(static_cast<const void*>(XQ + m * K + h * 64));
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[half], a);
+          const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(XS[m * blocks + h]));
+          acc[i] = _mm512_fmadd_ps(scaled, ws, acc[i]);
+          const float a0 = XG[m * groups + 2 * h], a1 = XG[m * groups + 2 * h + 1];
+          zacc[i] = _mm_fmadd_ps(sz4, _mm_setr_ps(-8.f * a0, a0, -8.f * a1, a1), zacc[i]);
+        }
       }
     }
     for (int i = 0; i < MB; ++i) {
@@ -141,9 +160,6 @@ void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, 
 // loads the chunk once per block; with the prefetch, one-row products ran 1.4-1.6x as fast on a Zen 3
 // (docs/log.md).
 
-// packed bytes read ahead of the chunk in use: the rows are contiguous, so it runs on into the next rows (on the
-// Zen 3, 2 KiB took the one-row product from ~22 to ~29 G weights/s, docs/log.md)
-constexpr int64_t PREFETCH_BYTES = 2048;
 
 // the int4 values of chunk c of a row's bytes: inputs 0-31, 32-63, 64-95, 96-127
 inline void chunk_q(const uint8_t* wr, int64_t c, __m256i q[4]) {
