@@ -9,7 +9,9 @@ not row-invariant (``row_invariant=False``: the keys reduced as they come; what 
 Part 2, steps of the model on its packed weights after a prefill of that many tokens: a one-row AR step, our AR
 step padded to 6 rows, a 4-row verify, a 13-row tree verify (3 candidates of 4 tokens) and a one-row int4 g128
 full-depth draft step (full int4 head), each with each attention, all round-robin (a warm-up repetition first),
-medians. Prints and appends one JSON line to --out.
+medians; and for each step, the row-invariant decode attention's speed over the unpadded one (time of the unpadded
+over time of the row-invariant, summed over the repetitions: below 1 where row-invariance costs) with a 95%
+bootstrap interval over the repetitions, each repetition a pair. Prints and appends one JSON line to --out.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from selfspec.model.plan import SkipPlan
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
 
-def round_robin(model, fns: dict, reps: int, clock: Clock) -> dict[str, float]:
+def round_robin(model, fns: dict, reps: int, clock: Clock, raw: dict | None = None) -> dict[str, float]:
     """Median milliseconds of each ``(attention, fn)``, round-robin, repetition 0 a warm-up; ``attention`` None is
-    SDPA, else the decode attention with keys padded to chunks of that many (1: unpadded)."""
+    SDPA, else the decode attention with keys padded to chunks of that many (1: unpadded). ``raw``: filled with each
+    one's seconds per repetition."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(reps + 1):
         for name, (chunk, fn) in fns.items():
@@ -44,11 +47,29 @@ def round_robin(model, fns: dict, reps: int, clock: Clock) -> dict[str, float]:
                 dt = clock.now() - t0
             if rep:
                 times[name].append(dt)
+    if raw is not None:
+        raw.update(times)
     return {name: round(statistics.median(v) * 1e3, 3) for name, v in times.items()}
 
 
-def time_steps(model, draft: DraftPath, keys: int, reps: int, clock: Clock) -> dict[str, float]:
-    """Each step after a prefill of ``keys`` tokens, with SDPA and with the decode attention (packed weights)."""
+def invariance_ratios(times: dict[str, list[float]], n: int = 2000) -> dict[str, list[float]]:
+    """Per step: [unpadded over row-invariant summed over the repetitions, its 95% bootstrap interval] (paired by
+    repetition)."""
+    out = {}
+    for name in times:
+        if not name.endswith(" decode"):
+            continue
+        pair = torch.tensor([times[name[: -len(" decode")] + " decode unpadded"], times[name]], dtype=torch.float64)
+        draw = pair[:, torch.randint(pair.shape[1], (n, pair.shape[1]), generator=torch.Generator().manual_seed(0))]
+        ratio = draw[0].sum(-1) / draw[1].sum(-1)
+        lo, hi = torch.quantile(ratio, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+        out[name[: -len(" decode")]] = [round(float(pair[0].sum() / pair[1].sum()), 4), round(lo, 4), round(hi, 4)]
+    return out
+
+
+def time_steps(model, draft: DraftPath, keys: int, reps: int, clock: Clock, raw: dict) -> dict[str, float]:
+    """Each step after a prefill of ``keys`` tokens, with SDPA and with the decode attention (packed weights);
+    ``raw`` gets the seconds of every repetition."""
     ctx = torch.arange(1000, 1000 + keys)
     cache = PositionalKVCache(model, max_len=keys + 16)
     draft.prepare(ctx)
@@ -71,11 +92,12 @@ def time_steps(model, draft: DraftPath, keys: int, reps: int, clock: Clock) -> d
         fns[f"AR 1 row {att}"] = (chunk, lambda: forward_at(model, cache, ctx[-1:], keys, keep=1))
         fns[f"AR 6 rows {att}"] = (chunk, lambda: forward_at(model, cache, ctx[-1:], keys, keep=1, rows=6))
         fns[f"verify 4 rows {att}"] = (chunk, lambda: forward_at(model, cache, ctx[-4:], keys, keep=4))
+        fns[f"verify 6 rows {att}"] = (chunk, lambda: forward_at(model, cache, ctx[-6:], keys, keep=6))
         fns[f"tree verify 13 rows {att}"] = (chunk, tree_verify)
         fns[f"int4 draft step {att}"] = (chunk, drafted)
     with torch.inference_mode(), packed_weights(model):
         forward_at(model, cache, ctx, 0, keep=1)
-        return round_robin(model, fns, reps, clock)
+        return round_robin(model, fns, reps, clock, raw)
 
 
 def main() -> None:
@@ -93,7 +115,7 @@ def main() -> None:
     clock = Clock()
     n = model.config.num_hidden_layers
     draft = DraftPath(model, SkipPlan(n), DraftOptions(weights="int4", group_size=128, head_weights="int4"))
-    alone, steps = {}, {}
+    alone, steps, ratios = {}, {}, {}
     for keys in args.contexts:
         fns = {}
         for rows in (1, 6):
@@ -107,10 +129,14 @@ def main() -> None:
             fns[f"{rows} rows decode"] = (None, lambda q=q, k=k, v=v, m=mask: attention_forward(layer, q, k, v, m))
         with torch.inference_mode():
             alone[keys] = round_robin(model, fns, 10 * args.reps, clock)
-        steps[keys] = time_steps(model, draft, keys, args.reps, clock)
+        raw: dict[str, list[float]] = {}
+        steps[keys] = time_steps(model, draft, keys, args.reps, clock, raw)
+        ratios[keys] = invariance_ratios(raw)
         print(args.model, keys, "attention alone (ms):", alone[keys], "steps (ms):", steps[keys], flush=True)
+        print(args.model, keys, "row-invariant steps' speed over unpadded (95%):", ratios[keys], flush=True)
     res = {"model": args.model, "kernels": kernels_label(True), "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
            "reps": args.reps, "attention_alone_ms": alone, "step_ms": steps,
+           "row_invariant_speed_ratio": ratios,
            "machine": machine_fingerprint(), "git_commit": git_commit()}
     append_row(args.out, res, echo=False)
 

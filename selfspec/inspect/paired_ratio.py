@@ -5,7 +5,9 @@
 
 The tables give each method's speedup over AR and, for ours, the ratio over the fastest transformers peer; this
 gives the ratio of any two methods of the run (tokens over time of both on the same prompts, as the tables take
-it; :func:`selfspec.eval.records.paired_bootstrap`) and their tokens a round, one line per task set folder.
+it; :func:`selfspec.eval.records.paired_bootstrap`) and their tokens a round, one line per task set folder, then
+one line for all the run's rows together ("all sets": tokens over time of every row, the bootstrap drawing from all
+of them, so that a difference of a few percent that no set's 10 rows resolve can be bounded over the whole run).
 """
 
 from __future__ import annotations
@@ -26,15 +28,23 @@ def main(argv: list[str] | None = None) -> None:
     folders = sorted(p.parent for p in Path(args.run).glob("*/samples.jsonl"))
     if not folders:
         raise SelfSpecError(f"no */samples.jsonl under {args.run}")
+    pooled: tuple[list[dict], list[dict]] = ([], [])
     for folder in folders:
         _, rows = read_jsonl(folder / "samples.jsonl")
         mine, base = ([r for r in rows if r.get("method") == m] for m in (args.method, args.base))
         if not mine or not base:
             raise SelfSpecError(f"{folder}: no rows of {args.method if not mine else args.base}")
-        lo, hi = paired_bootstrap(mine, base)
-        s = summarize(mine + base, args.base)
-        lengths = " / ".join(f"{s[m]['mean_accepted_length']:.2f}" if s[m].get("rounds") else "-"
-                             for m in (args.method, args.base))
-        print(f"{folder.name:<16} {args.method} over {args.base}: {s[args.method]['speedup']:.3f}x (95% {lo:.3f}-{hi:.3f}); "
-              f"tokens a round {lengths}")
+        _line(folder.name, mine, base, args.method, args.base)
+        for kept, rs in zip(pooled, (mine, base)):  # one sample id per set and prompt
+            kept.extend({**r, "sample_id": f"{folder.name}/{r['sample_id']}"} for r in rs)
+    if len(folders) > 1:
+        _line("all sets", *pooled, args.method, args.base)
+
+
+def _line(name: str, mine: list[dict], base: list[dict], method: str, base_name: str) -> None:
+    lo, hi = paired_bootstrap(mine, base)
+    s = summarize(mine + base, base_name)
+    lengths = " / ".join(f"{s[m]['mean_accepted_length']:.2f}" if s[m].get("rounds") else "-" for m in (method, base_name))
+    print(f"{name:<16} {method} over {base_name}: {s[method]['speedup']:.3f}x (95% {lo:.3f}-{hi:.3f}); "
+          f"tokens a round {lengths}")
 

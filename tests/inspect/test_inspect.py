@@ -98,13 +98,17 @@ def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, caps
                 "rounds": rounds, "drafted": accepted + rounds, "accepted": accepted, "drafted_per_position": [],
                 "accepted_per_position": [], "output_sha256": "x"}
 
-    folder = tmp_path / "m" / "gsm8k"
-    folder.mkdir(parents=True)
-    rows = [row("a", "tree", 20, 1.0, 4, 12), row("b", "tree", 30, 3.0, 6, 18), row("a", "chain", 20, 2.0, 5, 10),
-            row("b", "chain", 30, 3.0, 7, 16)]
-    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = {"gsm8k": [row("a", "tree", 20, 1.0, 4, 12), row("b", "tree", 30, 3.0, 6, 18),
+                      row("a", "chain", 20, 2.0, 5, 10), row("b", "chain", 30, 3.0, 7, 16)],
+            "mtbench": [row("a", "tree", 10, 1.0), row("a", "chain", 10, 1.0)]}  # the same sample id, another set
+    for name, rows in sets.items():
+        (tmp_path / "m" / name).mkdir(parents=True)
+        (tmp_path / "m" / name / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     p = _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "chain")
     assert p.returncode == 0, p.stderr[-2000:]
     # 50 tokens in 4 s over 50 in 5 s; tokens a round 1 + 30/10 and 1 + 26/12
     assert "gsm8k" in p.stdout and "tree over chain: 1.250x (95% " in p.stdout and "tokens a round 4.00 / 3.17" in p.stdout
+    # all rows: 60 tokens in 5 s over 60 in 6 s, mtbench's "a" its own sample (three pairs, not two)
+    (pooled,) = [line for line in p.stdout.splitlines() if line.startswith("all sets")]
+    assert "tree over chain: 1.200x (95% " in pooled
     assert _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "ar").returncode != 0
