@@ -29,6 +29,7 @@ from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
 from selfspec.engine.tree import DraftTree, tree_attention_mask
+from selfspec.eval.records import ratio_interval
 from selfspec.kernels.packed import kernels_label, packed_weights
 from selfspec.model.plan import SkipPlan
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
@@ -52,18 +53,18 @@ def round_robin(model, fns: dict, reps: int, clock: Clock, raw: dict | None = No
     return {name: round(statistics.median(v) * 1e3, 3) for name, v in times.items()}
 
 
-def invariance_ratios(times: dict[str, list[float]], n: int = 2000) -> dict[str, list[float]]:
+def invariance_ratios(times: dict[str, list[float]]) -> dict[str, list[float]]:
     """Per step: [unpadded over row-invariant summed over the repetitions, its 95% bootstrap interval] (paired by
-    repetition)."""
+    repetition: one step a repetition at each speed, as :func:`~selfspec.eval.records.ratio_interval` takes it)."""
     out = {}
     for name in times:
         if not name.endswith(" decode"):
             continue
-        pair = torch.tensor([times[name[: -len(" decode")] + " decode unpadded"], times[name]], dtype=torch.float64)
-        draw = pair[:, torch.randint(pair.shape[1], (n, pair.shape[1]), generator=torch.Generator().manual_seed(0))]
-        ratio = draw[0].sum(-1) / draw[1].sum(-1)
-        lo, hi = torch.quantile(ratio, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-        out[name[: -len(" decode")]] = [round(float(pair[0].sum() / pair[1].sum()), 4), round(lo, 4), round(hi, 4)]
+        step = name[: -len(" decode")]
+        inv, unpadded = (torch.tensor(times[n], dtype=torch.float64) for n in (name, step + " decode unpadded"))
+        ones = torch.ones_like(inv)
+        lo, hi = ratio_interval(torch.stack([ones, inv, ones, unpadded], dim=1))
+        out[step] = [round(float(unpadded.sum() / inv.sum()), 4), round(lo, 4), round(hi, 4)]
     return out
 
 

@@ -260,9 +260,15 @@ def paired_bootstrap(rows: list[dict], base_rows: list[dict], n: int = 2000, see
     ids = sorted(set(mine) & set(theirs))
     if len(ids) < 2:
         return float("nan"), float("nan")
-    t = torch.tensor([mine[i] + theirs[i] for i in ids], dtype=torch.float64)
+    return ratio_interval(torch.tensor([mine[i] + theirs[i] for i in ids], dtype=torch.float64), n, seed)
+
+
+def ratio_interval(pairs: torch.Tensor, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of ``(sum a / sum b) / (sum c / sum d)`` over the rows ``(a, b, c, d)`` of
+    ``pairs`` ``[samples, 4]``, each resample drawing whole rows with replacement (a paired comparison: a, b one
+    method's tokens and seconds on a sample, c, d the other's)."""
     g = torch.Generator().manual_seed(seed)
-    draw = t[torch.randint(len(ids), (n, len(ids)), generator=g)].sum(dim=1)  # n x 4 totals
+    draw = pairs[torch.randint(len(pairs), (n, len(pairs)), generator=g)].sum(dim=1)  # n x 4 totals
     ratio = (draw[:, 0] / draw[:, 1]) / (draw[:, 2] / draw[:, 3])
     lo, hi = torch.quantile(ratio, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return lo, hi
