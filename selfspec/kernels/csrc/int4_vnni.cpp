@@ -50,7 +50,7 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G, int8_
 
 // packed bytes read ahead of the chunk in use: the rows are contiguous, so it runs on into the next rows (2 KiB took
 // the AVX2 build's one-row product from ~22 to ~29 G weights/s on a Zen 3; with one load per chunk, the AVX-512
-// build's MLP products from ~37 to ~50 on a Zen 4, docs/log.md)
+// build's MLP products inside a draft step from ~38 to ~50 on a Zen 4, scripts/profile_draft_step.py, docs/log.md)
 constexpr int64_t PREFETCH_BYTES = 2048;
 
 #if defined(__AVX512VNNI__)
