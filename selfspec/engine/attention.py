@@ -66,11 +66,12 @@ def _sdpa():
 
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      chunk: int = CHUNK, **kwargs) -> tuple[torch.Tensor, None]:
+                      chunk: int = CHUNK, kernel: bool = True, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: ``query`` ``[b, heads, q, d]``, ``key``/``value`` ``[b, kv_heads, keys, d]``,
     ``attention_mask`` boolean (true = attend), ``[b or 1, 1, q, keys]``; returns ``[b, q, heads, d]``.
     ``chunk``: the row-invariant reduction's chunk (module docstring); 1: the softmax and the sum over the values
-    as the keys come (not row-invariant; for measuring what row-invariance costs)."""
+    as the keys come (not row-invariant; for measuring what row-invariance costs). ``kernel``: bf16 rows go to the
+    row-invariant C++ kernel where it runs (:func:`_on_kernel`); false: the matrix products here."""
     b, heads, rows, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     if (rows > MAX_ROWS or (attention_mask is None and rows > 1) or dropout or heads % kv_heads
@@ -86,6 +87,10 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     else:
         allowed = attention_mask[:, 0, :, :keys].expand(b, rows, keys)
         plans = _plans_of(attention_mask, allowed, chunk)
+    if chunk != 1 and kernel:
+        out = _on_kernel(query, key, value, plans, scale)
+        if out is not None:
+            return out, None
     outs = []
     for i, plan in enumerate(plans):
         index, width, first = plan.index, plan.width, plan.first
@@ -104,6 +109,22 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
             outs.append(_row_invariant(s, v, plan))
     out = outs[0] if b == 1 else torch.cat([o.reshape(1, heads, rows, dim) for o in outs])
     return out.to(value.dtype).reshape(b, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+def _on_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plans: list, scale: float):
+    """The output ``[b, rows, heads, d]`` from :func:`selfspec.kernels.vnni.row_attention` (each row's keys in
+    order, reduced one row at a time: row-invariant by construction), or None where it does not serve: another
+    dtype than bf16, keys not in rows of ``d`` contiguous values, or no kernel on this CPU."""
+    if not (query.dtype == key.dtype == value.dtype == torch.bfloat16 and key.stride(-1) == value.stride(-1) == 1
+            and key.stride(-2) == value.stride(-2) == key.shape[-1] and key.stride(1) == value.stride(1)):
+        return None
+    from selfspec.kernels import vnni
+
+    if not vnni.available() or key.shape[-1] % 16 or any(int(plan.count.min()) < 1 for plan in plans):
+        return None  # (a row that attends no key: SDPA's result for it, not the kernel's)
+    outs = [vnni.row_attention(query[i], key[i], value[i], plan.count, plan.index, scale)
+            for i, plan in enumerate(plans)]
+    return outs[0][None] if len(outs) == 1 else torch.stack(outs)
 
 
 def _padded(x: torch.Tensor, cols: int, acc: torch.dtype) -> torch.Tensor:
@@ -138,6 +159,7 @@ class Plan(NamedTuple):
     shared: int  # the leading columns every row reads in place, in whole chunks (the rest gathered per row)
     groups: list[tuple]  # (rows or None for all, length, split, per_row_head) for the rows whose keys pad to length
     first: int  # the leading columns every row attends in place
+    count: torch.Tensor  # each row's number of keys (int64)
 
 
 @functools.lru_cache(maxsize=64)
@@ -161,7 +183,7 @@ def _plan(allowed: torch.Tensor, chunk: int) -> Plan:
         split = max(ell - 2 * chunk, 0)
         per_row_head = index is not None and bool((same[rows] < split).any())
         groups.append((None if len(rows) == len(length) else rows, ell, split, per_row_head))
-    return Plan(index, width, shared, groups, first)
+    return Plan(index, width, shared, groups, first, count)
 
 
 _memo: list = [None, None]  # (a weak reference to the last mask, its plans): every layer of a forward gets one mask

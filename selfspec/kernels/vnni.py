@@ -41,6 +41,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.locks import check_writable, waiting
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_vnni.cpp"
+ATTENTION_SOURCE = SOURCE.with_name("row_attention.cpp")  # the full model's decode attention, in the same library
 # the builds, best first: name -> (the CPU flags it needs, the compiler's flags)
 BUILDS = {"avx512-vnni": (("fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
                           ("-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
@@ -48,8 +49,9 @@ BUILDS = {"avx512-vnni": (("fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnn
 # each build's revision: a change that moves its speed counts as a new kernel in the machine fingerprint, so that
 # studies re-measure their cost models (avx2 r2: one load per 64 packed bytes and a prefetch; r3: the draft
 # attention's dot products in four independent sums; avx512-vnni r2: avx2 r2's one load per 64 packed bytes and
-# prefetch, docs/log.md)
-REVISIONS = {"avx512-vnni": 2, "avx2": 3}
+# prefetch; avx512-vnni r3, avx2 r4: the full model's decode attention on this library's row kernel, which moves
+# every full-model step's cost, docs/log.md)
+REVISIONS = {"avx512-vnni": 3, "avx2": 4}
 BLOCK = 128  # inputs per 64 packed bytes
 GROUPS = (32, 64, 128, 256)  # the kernel's int4 group sizes
 ENV = "SELFSPEC_INT4_KERNEL"  # aten: never use this kernel
@@ -155,13 +157,14 @@ _KERNEL = LazyKernel(_load_once)
 def build(name: str):
     """Compile (or load the cached) build ``name`` of :data:`BUILDS`; its operators, ``torch.ops.selfspec_vnni``."""
     suffix = "" if name == "avx512-vnni" else f"-{name}"  # the AVX-512 build keeps the folder it had
-    compile_extension(SOURCE, f"int4_vnni{suffix}", ["-O3", "-fopenmp", *BUILDS[name][1]])
+    compile_extension(SOURCE, f"int4_vnni{suffix}", ["-O3", "-fopenmp", *BUILDS[name][1]], also=(ATTENTION_SOURCE,))
     return torch.ops.selfspec_vnni
 
 
-def compile_extension(source: Path, stem: str, flags: list[str]) -> None:
-    """Compile (or load the cached build of) the C++ operator library ``source`` with torch's ``cpp_extension``,
-    into ``$SELFSPEC_CACHE/kernels/<stem>-torch<version>-<checkout>``; it registers its own ``torch.ops`` namespace."""
+def compile_extension(source: Path, stem: str, flags: list[str], also: tuple[Path, ...] = ()) -> None:
+    """Compile (or load the cached build of) the C++ operator library ``source`` (and the sources ``also``, linked
+    into it) with torch's ``cpp_extension``, into ``$SELFSPEC_CACHE/kernels/<stem>-torch<version>-<checkout>``; it
+    registers its own ``torch.ops`` namespace."""
     from torch.utils.cpp_extension import load
 
     from selfspec.assets.fetch import default_cache_dir
@@ -179,7 +182,8 @@ def compile_extension(source: Path, stem: str, flags: list[str]) -> None:
         check_writable(build, f"the {stem} kernel's build folder (set SELFSPEC_CACHE to a folder that can be written)")
     except SelfSpecError:
         # a cache that cannot be written (a read-only home, a shared copy): its build runs if it is current
-        if library.is_file() and library.stat().st_mtime >= source.stat().st_mtime:
+        inputs = (source, *also, *source.parent.glob("*.h"))
+        if library.is_file() and all(library.stat().st_mtime >= s.stat().st_mtime for s in inputs):
             torch.ops.load_library(str(library))
             return
         raise
@@ -193,7 +197,7 @@ def compile_extension(source: Path, stem: str, flags: list[str]) -> None:
             print(f"selfspec: removed a stale build lock at {stale} (a build stopped before it finished)",
                   file=sys.stderr, flush=True)
             stale.unlink(missing_ok=True)
-        load(library.stem, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        load(library.stem, [str(s) for s in (source, *also)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
              build_directory=str(build), verbose=False, is_python_module=False)
 
 
@@ -221,3 +225,12 @@ def mm(x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_s
     if module is None:
         raise SelfSpecError(f"the VNNI int4 kernel does not run here: {reason}")
     return module.int4_mm(x2.contiguous(), packed, scale_zero, group_size)
+
+
+def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor,
+                  index: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    """The row-invariant decode attention of ``csrc/row_attention.cpp`` (bf16 ``q`` [H, R, D], ``k``/``v``
+    [KVH, L, D] with contiguous rows of keys, ``count`` int64 [R], ``index`` int64 [R, W] or None) as [R, H, D];
+    None where the kernel does not run here (the caller computes it otherwise)."""
+    module = _KERNEL.load()[0]
+    return None if module is None else module.row_attention(q, k, v, count, index, scale)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from selfspec.engine.attention import CHUNK, attention_forward
+from selfspec.kernels import vnni
 from selfspec.kernels.packed import packing_supported
 
 # shapes of the packaged models' attention: query heads, key/value heads, head dim
@@ -14,26 +15,32 @@ SHAPES = [(12, 2, 128), (14, 2, 64), (4, 1, 64)]
 POSITIONS = sorted({0, 5, 37, 255, 256, 257, 700, 1023, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK - 2})
 
 
-def _attend(q, k, v, start, n, capacity=0):
+# each path of the decode attention: the C++ kernel where it runs here, and the matrix products (every CPU)
+PATHS = [pytest.param(True, id="kernel", marks=pytest.mark.skipif(not vnni.available(), reason="no C++ kernel here")),
+         pytest.param(False, id="products")]
+
+
+def _attend(q, k, v, start, n, capacity=0, kernel=True):
     """Rows at positions ``start..start+n-1`` over keys ``0..start+n-1`` (and ``capacity`` masked keys past them)."""
     keys = start + n + capacity
     mask = torch.ones(n, keys, dtype=torch.bool).tril(diagonal=start)[None, None]
-    out, _ = attention_forward(None, q[:, :, start : start + n], k[:, :, :keys], v[:, :, :keys], mask)
+    out, _ = attention_forward(None, q[:, :, start : start + n], k[:, :, :keys], v[:, :, :keys], mask, kernel=kernel)
     return out[0]
 
 
+@pytest.mark.parametrize("kernel", PATHS)
 @pytest.mark.parametrize("heads, kv_heads, dim", SHAPES)
-def test_a_rows_attention_is_the_same_in_any_forward(heads, kv_heads, dim):
+def test_a_rows_attention_is_the_same_in_any_forward(heads, kv_heads, dim, kernel):
     g = torch.Generator().manual_seed(heads * dim)
     length = max(POSITIONS) + 40
     q, k, v = (torch.randn(1, h, length, dim, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads))
     differ = []
     for pos in POSITIONS:
-        alone = _attend(q, k, v, pos, 1)[0]
+        alone = _attend(q, k, v, pos, 1, kernel=kernel)[0]
         for n in (2, 3, 5, 6, 8, 11, 16):
             for j in range(min(n, pos + 1)):
                 for capacity in (0, 9):
-                    if not torch.equal(_attend(q, k, v, pos - j, n, capacity)[j], alone):
+                    if not torch.equal(_attend(q, k, v, pos - j, n, capacity, kernel)[j], alone):
                         differ.append((pos, n, j, capacity))
     assert not differ, f"{len(differ)} (position, rows, row, extra keys) differ from the one-row result: {differ[:5]}"
 
@@ -43,8 +50,9 @@ def _tree(g: torch.Generator, nodes: int) -> list[int]:
     return [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, nodes)]
 
 
+@pytest.mark.parametrize("kernel", PATHS)
 @pytest.mark.parametrize("heads, kv_heads, dim", SHAPES)
-def test_a_tree_rows_attention_is_an_ar_steps_at_its_position(heads, kv_heads, dim):
+def test_a_tree_rows_attention_is_an_ar_steps_at_its_position(heads, kv_heads, dim, kernel):
     """A tree's node attends the committed keys, then its ancestors in slots among other nodes': its result equals
     the one-row result over the same keys laid out in order, as AR would hold them."""
     g = torch.Generator().manual_seed(7 * heads + dim)
@@ -63,10 +71,11 @@ def test_a_tree_rows_attention_is_an_ar_steps_at_its_position(heads, kv_heads, d
                 line.insert(0, start + j)
                 j = parent[j]
             lines.append(list(range(start)) + line)
-        out, _ = attention_forward(None, q[:, :, start:], k, v, allowed[None, None])
+        out, _ = attention_forward(None, q[:, :, start:], k, v, allowed[None, None], kernel=kernel)
         for i, line in enumerate(lines):
             keys = torch.tensor(line)
-            alone, _ = attention_forward(None, q[:, :, start + i : start + i + 1], k[:, :, keys], v[:, :, keys], None)
+            alone, _ = attention_forward(None, q[:, :, start + i : start + i + 1], k[:, :, keys], v[:, :, keys], None,
+                                         kernel=kernel)
             if not torch.equal(out[0, i], alone[0, 0]):
                 differ.append((start, n, i, len(line) - start))
     assert not differ, f"{len(differ)} (start, nodes, node, depth + 1) differ from the one-row result: {differ[:5]}"

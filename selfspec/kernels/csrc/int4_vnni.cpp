@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "row_attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -319,60 +321,11 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   return y;
 }
 
-namespace {
-
-#if defined(__AVX512VNNI__)
-
-// 16 bf16 values as fp32 (bf16 -> fp32 is a shift of 16 bits)
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline float dot(const at::BFloat16* a, const float* b, int64_t n) {  // n % 16 == 0
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(load16(a + i), _mm512_loadu_ps(b + i), acc);
-  return _mm512_reduce_add_ps(acc);
-}
-
-inline void axpy(const at::BFloat16* v, float w, float* acc, int64_t n) {  // acc += w * v, n % 16 == 0
-  const __m512 ws = _mm512_set1_ps(w);
-  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(load16(v + i), ws, _mm512_loadu_ps(acc + i)));
-}
-
-#else
-
-// 8 bf16 values as fp32
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-// four independent sums: one chain of dependent FMAs waited ~4 cycles on each (a 128-long dot ~80 cycles)
-inline float dot(const at::BFloat16* a, const float* b, int64_t n) {  // n % 32 == 0 (head dims, checked)
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 32) {
-    s0 = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(load8(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    s2 = _mm256_fmadd_ps(load8(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
-    s3 = _mm256_fmadd_ps(load8(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
-  }
-  return hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-}
-
-inline void axpy(const at::BFloat16* v, float w, float* acc, int64_t n) {  // acc += w * v, n % 8 == 0
-  const __m256 ws = _mm256_set1_ps(w);
-  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(load8(v + i), ws, _mm256_loadu_ps(acc + i)));
-}
-
-#endif
-
-}  // namespace
-
 // One draft step's attention sublayer of a Llama/Qwen2 layer, after its input norm (selfspec/draft/fused.py):
 // q/k/v through one stacked int4 product (plus their biases), the rotary embedding (cos/sin [R, D] of the rows'
 // positions, rotate-half form), the rows' keys/values written to cache slots start .. start+R-1 of kc/vc
-// [KVH, L, D], causal attention of row i over slots 0 .. start+i (scores and softmax in fp32, GQA by head groups),
+// [KVH, L, D], causal attention of row i over slots 0 .. start+i (row_attention.h: scores and softmax in fp32, a key
+// read once for its head group),
 // then o_proj's int4 product. h [R, E] bf16 -> [R, E'] bf16.
 torch::Tensor draft_attention(const torch::Tensor& h, const torch::Tensor& qkv_w, const torch::Tensor& qkv_sz,
                               const c10::optional<torch::Tensor>& qkv_bias, const torch::Tensor& o_w,
@@ -387,7 +340,7 @@ torch::Tensor draft_attention(const torch::Tensor& h, const torch::Tensor& qkv_w
               cos.size(0) == R && cos.size(1) == D, "cos, sin: contiguous bf16 [R, D]");
   torch::Tensor qkv = int4_mm(h, qkv_w, qkv_sz, G);  // [R, (H + 2 KVH) D]
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * D, "qkv rows: (heads + 2 kv_heads) * head_dim");
-  const int64_t width = qkv.size(1), half = D / 2, group = heads / kv_heads, keys = start + R;
+  const int64_t width = qkv.size(1), half = D / 2, group = heads / kv_heads;
   // rows' q (fp32, rotated) and k/v (rotated k) in bf16 into the cache
   std::vector<float> q(R * heads * D);
   const at::BFloat16* bias = qkv_bias.has_value() ? qkv_bias->data_ptr<at::BFloat16>() : nullptr;
@@ -424,26 +377,14 @@ torch::Tensor draft_attention(const torch::Tensor& h, const torch::Tensor& qkv_w
   }
   auto out = torch::empty({R, heads * D}, torch::kBFloat16);
   at::BFloat16* O = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, R * heads, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> p(keys), acc(D);
+  const float sc = static_cast<float>(scale);
+  for (float& x : q) x *= sc;
+  at::parallel_for(0, R * kv_heads, 1, [&](int64_t b0, int64_t b1) {  // row r's heads of key/value head j
+    std::vector<float> p;
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r = b / heads, hd = b % heads, j = hd / group, n = start + r + 1;
-      const float* qr = q.data() + (r * heads + hd) * D;
-      const at::BFloat16* K = KC + j * L * D;
-      const at::BFloat16* V = VC + j * L * D;
-      float top = -INFINITY;
-      for (int64_t t = 0; t < n; ++t) {
-        p[t] = dot(K + t * D, qr, D) * static_cast<float>(scale);
-        top = std::max(top, p[t]);
-      }
-      float total = 0.f;
-      for (int64_t t = 0; t < n; ++t) {
-        p[t] = std::exp(p[t] - top);
-        total += p[t];
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) axpy(V + t * D, p[t] / total, acc.data(), D);
-      for (int64_t i = 0; i < D; ++i) O[(r * heads + hd) * D + i] = at::BFloat16(acc[i]);
+      const int64_t r = b / kv_heads, j = b % kv_heads;
+      selfspec::attend_heads(q.data() + (r * heads + j * group) * D, group, KC + j * L * D, VC + j * L * D, nullptr,
+                             start + r + 1, D, p, O + (r * heads + j * group) * D, D);
     }
   });
   return int4_mm(out, o_w, o_sz, G);

@@ -1,0 +1,236 @@
+// Row-invariant decode attention for bf16 full-model forwards (selfspec/engine/attention.py).
+//
+// Each query row attends its own keys in order and nothing else: its scores, its softmax and its sum over the values
+// are computed by the same sequence of operations whatever the forward's other rows are, how many there are, where
+// its keys sit in the cache, or how long the cache is. So a verify row computes bit for bit what a one-row step at
+// its position computes (docs/numerics.md), by construction rather than by padding library products.
+//
+// q [H, R, D] bf16; k, v [KVH, L, D] bf16 (a view of the cache: the last two dimensions contiguous, the keys past a
+// row's own never read); count int64 [R], row r's number of keys; index int64 [R, W] or none, the column of row r's
+// t-th key (none: column t). Heads h = j * group + u share key/value head j. Out [R, H, D] bf16: softmax(q k^T *
+// scale) v per row and head, in fp32 throughout (scores, exponentials, sums), rounded to bf16 once.
+//
+// Per (row, key/value head): the group's query heads read each key once (one fused multiply-add chain per head, so
+// every head's sum runs over the head dimension in the same order as alone); max, exponentials and their total in
+// key order; the values summed in key order, four vectors of the head dimension at a time, then times 1/total.
+#include <torch/library.h>
+#include <torch/torch.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "row_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+using vf = __m512;
+constexpr int64_t VW = 16;
+inline vf load_bf16(const at::BFloat16* p) {  // bf16 -> fp32 is a shift of 16 bits
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline vf loadu(const float* p) { return _mm512_loadu_ps(p); }
+inline void storeu(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float x) { return _mm512_set1_ps(x); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf _add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf _sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline float hsum(vf x) { return _mm512_reduce_add_ps(x); }
+#else
+using vf = __m256;
+constexpr int64_t VW = 8;
+inline vf load_bf16(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline vf loadu(const float* p) { return _mm256_loadu_ps(p); }
+inline void storeu(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf set1(float x) { return _mm256_set1_ps(x); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf _add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf _sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline float hsum(vf x) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+constexpr int64_t HEADS = 8;  // query heads that read a key together (a larger group runs in blocks of this many)
+constexpr int64_t SPAN = 4;   // vectors of the head dimension summed over the values at a time
+
+// exp(x) for x <= 0 (a score minus its row's largest), elementwise: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
+// degree-6 Taylor polynomial (relative error ~2e-7, about std::exp's), times 2^n through the exponent bits. Lanes
+// do not interact, so a key's exponential is the same in every row and at every lane.
+inline vf exp_neg(vf x) {
+#if defined(__AVX512F__)
+  x = _mm512_max_ps(x, set1(-87.f));
+  const vf n = _mm512_roundscale_ps(mul(x, set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf r = fmadd(n, set1(-1.42860677e-06f), fmadd(n, set1(-0.693145752f), x));
+#else
+  x = _mm256_max_ps(x, set1(-87.f));
+  const vf n = _mm256_round_ps(mul(x, set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf r = fmadd(n, set1(-1.42860677e-06f), fmadd(n, set1(-0.693145752f), x));
+#endif
+  vf y = set1(1.f / 720.f);
+  y = fmadd(y, r, set1(1.f / 120.f));
+  y = fmadd(y, r, set1(1.f / 24.f));
+  y = fmadd(y, r, set1(1.f / 6.f));
+  y = fmadd(y, r, set1(0.5f));
+  y = fmadd(y, r, set1(1.f));
+  y = fmadd(y, r, set1(1.f));
+#if defined(__AVX512F__)
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return mul(y, _mm512_castsi512_ps(e));
+#else
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return mul(y, _mm256_castsi256_ps(e));
+#endif
+}
+
+// p[0 .. n) <- exp(p - max p); returns their total. Whole vectors from the start, then the rest one by one; the
+// total's lanes add in a fixed order, so it is a function of the row's scores alone.
+float softmax_numerators(float* p, int64_t n) {
+  float top = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) top = std::max(top, p[t]);
+  const int64_t whole = n / VW * VW;
+  vf sum = zero();
+  for (int64_t t = 0; t < whole; t += VW) {
+    const vf e = exp_neg(_sub(loadu(p + t), set1(top)));
+    storeu(p + t, e);
+    sum = _add(sum, e);
+  }
+  float total = hsum(sum);
+  for (int64_t t = whole; t < n; ++t) {
+    float buf[VW] = {};
+    buf[0] = p[t] - top;
+    storeu(buf, exp_neg(loadu(buf)));
+    p[t] = buf[0];
+    total += p[t];
+  }
+  return total;
+}
+
+// Scores of NU query heads qf [NU, D] (fp32, scaled) against the keys at K + col(t) * D: p[u * n + t].
+template <int NU>
+void scores(const float* qf, const at::BFloat16* K, const int64_t* cols, int64_t n, int64_t D, float* p) {
+  for (int64_t t = 0; t < n; ++t) {
+    const at::BFloat16* kt = K + (cols ? cols[t] : t) * D;
+    vf acc[NU];
+    for (int u = 0; u < NU; ++u) acc[u] = zero();
+    for (int64_t i = 0; i < D; i += VW) {
+      const vf kv = load_bf16(kt + i);
+      for (int u = 0; u < NU; ++u) acc[u] = fmadd(kv, loadu(qf + u * D + i), acc[u]);
+    }
+    for (int u = 0; u < NU; ++u) p[u * n + t] = hsum(acc[u]);
+  }
+}
+
+// o[d0 .. d0 + M VW) <- (sum_t w[t] v(t)) * inv, the values at V + col(t) * D, summed in key order.
+template <int M>
+void weighted_values(const float* w, const at::BFloat16* V, const int64_t* cols, int64_t n, int64_t D, int64_t d0,
+                     float inv, at::BFloat16* o) {
+  vf acc[M];
+  for (int s = 0; s < M; ++s) acc[s] = zero();
+  for (int64_t t = 0; t < n; ++t) {
+    const at::BFloat16* vt = V + (cols ? cols[t] : t) * D + d0;
+    const vf wt = set1(w[t]);
+    for (int s = 0; s < M; ++s) acc[s] = fmadd(load_bf16(vt + s * VW), wt, acc[s]);
+  }
+  float buf[M * VW];
+  for (int s = 0; s < M; ++s) storeu(buf + s * VW, mul(acc[s], set1(inv)));
+  for (int64_t i = 0; i < M * VW; ++i) o[d0 + i] = at::BFloat16(buf[i]);
+}
+
+// One row's attention for NU query heads of one key/value head: qf [NU, D] fp32 (scaled), the keys and values at
+// K + col(t) * D, V + col(t) * D for t < n; out: NU rows of D bf16, `stride` apart.
+template <int NU>
+void attend(const float* qf, const at::BFloat16* K, const at::BFloat16* V, const int64_t* cols, int64_t n,
+            int64_t D, float* p, at::BFloat16* out, int64_t stride) {
+  scores<NU>(qf, K, cols, n, D, p);
+  for (int u = 0; u < NU; ++u) {
+    float* pu = p + u * n;
+    const float inv = 1.f / softmax_numerators(pu, n);
+    int64_t d0 = 0;
+    for (; d0 + SPAN * VW <= D; d0 += SPAN * VW) weighted_values<SPAN>(pu, V, cols, n, D, d0, inv, out + u * stride);
+    for (; d0 < D; d0 += VW) weighted_values<1>(pu, V, cols, n, D, d0, inv, out + u * stride);
+  }
+}
+
+using Attend = void (*)(const float*, const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t, int64_t,
+                        float*, at::BFloat16*, int64_t);
+constexpr Attend ATTEND[HEADS + 1] = {nullptr, attend<1>, attend<2>, attend<3>, attend<4>, attend<5>, attend<6>,
+                                      attend<7>, attend<8>};
+
+}  // namespace
+
+namespace selfspec {
+
+void attend_heads(const float* qf, int64_t heads, const at::BFloat16* K, const at::BFloat16* V, const int64_t* cols,
+                  int64_t n, int64_t D, std::vector<float>& p, at::BFloat16* out, int64_t stride) {
+  p.resize(HEADS * n);
+  for (int64_t u0 = 0; u0 < heads; u0 += HEADS) {
+    const int64_t nu = std::min(HEADS, heads - u0);
+    ATTEND[nu](qf + u0 * D, K, V, cols, n, D, p.data(), out + u0 * stride, stride);
+  }
+}
+
+}  // namespace selfspec
+
+torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& count, const c10::optional<torch::Tensor>& index, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [H, R, D], k and v [KVH, L, D]");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
+              v.scalar_type() == torch::kBFloat16, "bf16 q, k, v");
+  const int64_t H = q.size(0), R = q.size(1), D = q.size(2), KVH = k.size(0), L = k.size(1);
+  TORCH_CHECK(k.size(2) == D && D % VW == 0 && H % KVH == 0, "head dims (a multiple of the vector width), heads");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D && k.stride(0) == v.stride(0),
+              "k, v: each head's keys contiguous rows of D");
+  TORCH_CHECK(count.scalar_type() == torch::kLong && count.is_contiguous() && count.numel() == R, "count: int64 [R]");
+  const int64_t* C = count.data_ptr<int64_t>();
+  const int64_t* I = nullptr;
+  int64_t W = 0;
+  if (index.has_value()) {
+    TORCH_CHECK(index->scalar_type() == torch::kLong && index->is_contiguous() && index->dim() == 2 &&
+                index->size(0) == R, "index: contiguous int64 [R, W]");
+    I = index->data_ptr<int64_t>();
+    W = index->size(1);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(C[r] >= 1 && C[r] <= (I ? W : L), "each row attends 1 .. its columns' keys");
+    for (int64_t t = 0; I && t < C[r]; ++t) TORCH_CHECK(I[r * W + t] >= 0 && I[r * W + t] < L, "index within the keys");
+  }
+  const torch::Tensor qc = q.contiguous();
+  const at::BFloat16* Q = qc.data_ptr<at::BFloat16>();
+  const at::BFloat16* K = k.data_ptr<at::BFloat16>();
+  const at::BFloat16* V = v.data_ptr<at::BFloat16>();
+  const int64_t group = H / KVH, hs = k.stride(0);
+  auto out = torch::empty({R, H, D}, torch::kBFloat16);
+  at::BFloat16* O = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, R * KVH, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> qf(group * D), p;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r = b / KVH, j = b % KVH;
+      for (int64_t u = 0; u < group; ++u) {  // the query in fp32, scaled (as a product's operand is rounded once)
+        const at::BFloat16* qh = Q + ((j * group + u) * R + r) * D;
+        for (int64_t i = 0; i < D; ++i) qf[u * D + i] = static_cast<float>(qh[i]) * static_cast<float>(scale);
+      }
+      selfspec::attend_heads(qf.data(), group, K + j * hs, V + j * hs, I ? I + r * W : nullptr, C[r], D, p,
+                             O + (r * H + j * group) * D, D);
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(selfspec_vnni, m) {
+  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor count, Tensor? index, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(selfspec_vnni, CPU, m) { m.impl("row_attention", &row_attention); }
