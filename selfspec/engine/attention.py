@@ -20,7 +20,12 @@ Row-invariance: each row's output is a function of its own keys in order and not
 other rows, not the keys past its own, not the columns its keys sit in), so a verify row computes bit for bit
 what an AR step at its position computes (docs/numerics.md). A row's keys in order are the columns it attends,
 in column order (:func:`frame`): for an AR step or a chain's verify a prefix of the cache; for a draft tree's
-node the committed prefix and then its ancestors, gathered from slots among other nodes'. Each row's keys are
+node the committed prefix and then its ancestors, gathered from slots among other nodes'.
+
+bf16 rows go to a C++ kernel (``selfspec/kernels/csrc/row_attention.cpp``, in the int4 kernel's library, where that
+builds: AVX-512 or AVX2) that reduces each row by itself over its keys in order: row-invariant by construction, and
+faster than the products below (one row over 300 keys: ~0.06 against ~0.17 ms a layer, ``scripts/attention_bench.py``).
+Elsewhere (another dtype, no kernel) the products keep the property by layout: each row's keys are
 padded with zeros to ``L``, whole chunks of :data:`CHUNK`; its softmax runs over them in order (trailing masked
 columns add exact zeros), and the sum over the values is two products, keys ``[0, L - 2 CHUNK)`` then the last two
 chunks, added. A tree node's ancestors lie within its last two chunks (depth < :data:`CHUNK`), so the first
@@ -28,7 +33,7 @@ product reads the cache in place for every row of every forward, and only the la
 node. Every product has at least :data:`MIN_ROWS` rows and :data:`MIN_COLS` columns: the library's smaller
 products take other paths. What this rests on (a library product gives each row and column the same bits
 whatever the product's other rows and columns, above those sizes) is checked by
-``tests/engine/test_row_invariance.py`` on the CPU it runs on.
+``tests/engine/test_row_invariance.py`` on the CPU it runs on, for both paths.
 
 The function is registered with transformers' ``AttentionInterface`` (with SDPA's masks) under
 :data:`NAME`, and :func:`decode_attention` switches one model instance to it inside a ``with``
