@@ -5,7 +5,8 @@
 Part 1, the attention alone: for each context length and 1 or 6 query rows (the model's head counts and head
 size, bf16, random values), transformers' SDPA function against :func:`selfspec.engine.attention.attention_forward`,
 with a causal mask over the cached keys (none for one row, as the model passes it), and the decode attention
-not row-invariant (``row_invariant=False``: the keys reduced as they come; what row-invariance costs).
+not row-invariant (``row_invariant=False``: matrix products, the keys reduced as they come). The decode attention by
+default runs bf16 rows on the C++ row kernel where it builds (row-invariant by construction), else on padded products.
 Part 2, steps of the model on its packed weights after a prefill of that many tokens: a one-row AR step, our AR
 step padded to 6 rows, a 4-row verify, a 13-row tree verify (3 candidates of 4 tokens) and a one-row int4 g128
 full-depth draft step (full int4 head), each with each attention, all round-robin (a warm-up repetition first),
