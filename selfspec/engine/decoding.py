@@ -65,11 +65,11 @@ class DecodeConfig:
     ``row_invariant`` (with ``attention="decode"``): every full-model forward computes each row as an AR
     step at its position would (:mod:`selfspec.engine.attention`, docs/numerics.md), so greedy output equals
     greedy AR output token for token in bf16 where the CPU's linear kernels are row-invariant too; false
-    reduces the attention over the keys as they come, which rounds a row differently by the forward's width
-    (kept for measuring what row-invariance costs).
+    reduces the attention over the keys as they come in matrix products, which rounds a row differently by the
+    forward's width (kept for measuring; not faster where the C++ row kernel serves bf16 rows).
 
     ``attention``: ``decode`` (default) attends through :mod:`selfspec.engine.attention` in every
-    forward of a few rows (two batched products over the cache; torch's CPU SDPA runs its flash
+    forward of a few rows (the row kernel for bf16, else batched products; torch's CPU SDPA runs its flash
     kernel even for one row, 6x slower at 1000 keys), ``sdpa`` as the model was loaded. Every
     method of a run attends alike (the transformers ones too: :mod:`selfspec.eval.hf`).
 
