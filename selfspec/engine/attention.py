@@ -125,7 +125,7 @@ def _on_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan
         return None
     from selfspec.kernels import vnni
 
-    if not vnni.available() or key.shape[-1] % 16 or any(int(plan.count.min()) < 1 for plan in plans):
+    if not vnni.available() or key.shape[-1] % 16 or not all(plan.keyed for plan in plans):
         return None  # (a row that attends no key: SDPA's result for it, not the kernel's)
     outs = [vnni.row_attention(query[i], key[i], value[i], plan.count, plan.index, scale)
             for i, plan in enumerate(plans)]
@@ -165,6 +165,7 @@ class Plan(NamedTuple):
     groups: list[tuple]  # (rows or None for all, length, split, per_row_head) for the rows whose keys pad to length
     first: int  # the leading columns every row attends in place
     count: torch.Tensor  # each row's number of keys (int64)
+    keyed: bool  # every row attends a key
 
 
 @functools.lru_cache(maxsize=64)
@@ -188,7 +189,7 @@ def _plan(allowed: torch.Tensor, chunk: int) -> Plan:
         split = max(ell - 2 * chunk, 0)
         per_row_head = index is not None and bool((same[rows] < split).any())
         groups.append((None if len(rows) == len(length) else rows, ell, split, per_row_head))
-    return Plan(index, width, shared, groups, first, count)
+    return Plan(index, width, shared, groups, first, count, bool((count > 0).all()))
 
 
 _memo: list = [None, None]  # (a weak reference to the last mask, its plans): every layer of a forward gets one mask

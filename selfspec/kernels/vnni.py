@@ -221,16 +221,19 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def mm(x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """``x2 @ w.T`` for bf16 ``x2`` [M, K] and the int4 weight :func:`pack` laid out; bf16 [M, N]."""
-    module, reason, _ = _KERNEL.load()
-    if module is None:
-        raise SelfSpecError(f"the VNNI int4 kernel does not run here: {reason}")
-    return module.int4_mm(x2.contiguous(), packed, scale_zero, group_size)
+    return _module().int4_mm(x2.contiguous(), packed, scale_zero, group_size)
 
 
 def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor,
-                  index: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+                  index: torch.Tensor | None, scale: float) -> torch.Tensor:
     """The row-invariant decode attention of ``csrc/row_attention.cpp`` (bf16 ``q`` [H, R, D], ``k``/``v``
-    [KVH, L, D] with contiguous rows of keys, ``count`` int64 [R], ``index`` int64 [R, W] or None) as [R, H, D];
-    None where the kernel does not run here (the caller computes it otherwise)."""
-    module = _KERNEL.load()[0]
-    return None if module is None else module.row_attention(q, k, v, count, index, scale)
+    [KVH, L, D] with contiguous rows of keys, ``count`` int64 [R], ``index`` int64 [R, W] or None) as [R, H, D]."""
+    return _module().row_attention(q, k, v, count, index, scale)
+
+
+def _module():
+    """The library's operators (``torch.ops.selfspec_vnni``); an error that says why where it does not run here."""
+    module, reason, _ = _KERNEL.load()
+    if module is None:
+        raise SelfSpecError(f"the VNNI int4 kernel does not run here: {reason}")
+    return module

@@ -341,7 +341,7 @@ torch::Tensor draft_attention(const torch::Tensor& h, const torch::Tensor& qkv_w
   torch::Tensor qkv = int4_mm(h, qkv_w, qkv_sz, G);  // [R, (H + 2 KVH) D]
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * D, "qkv rows: (heads + 2 kv_heads) * head_dim");
   const int64_t width = qkv.size(1), half = D / 2, group = heads / kv_heads;
-  // rows' q (fp32, rotated) and k/v (rotated k) in bf16 into the cache
+  // rows' q (fp32, rotated, scaled) and k/v (rotated k) in bf16 into the cache
   std::vector<float> q(R * heads * D);
   const at::BFloat16* bias = qkv_bias.has_value() ? qkv_bias->data_ptr<at::BFloat16>() : nullptr;
   const at::BFloat16* C = cos.data_ptr<at::BFloat16>();
@@ -363,8 +363,8 @@ torch::Tensor draft_attention(const torch::Tensor& h, const torch::Tensor& qkv_w
         const float rot = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
         v[i] = static_cast<float>(x[i]) * static_cast<float>(c[i]) + rot * static_cast<float>(s[i]);
       }
-      if (hd < heads) {
-        std::copy(v.begin(), v.end(), q.begin() + (r * heads + hd) * D);
+      if (hd < heads) {  // the query scaled, as the attention takes it (row_attention.h)
+        for (int64_t i = 0; i < D; ++i) q[(r * heads + hd) * D + i] = v[i] * static_cast<float>(scale);
       } else {
         at::BFloat16* dst = KC + ((hd - heads) * L + start + r) * D;
         for (int64_t i = 0; i < D; ++i) dst[i] = at::BFloat16(v[i]);
@@ -377,8 +377,6 @@ torch::Tensor draft_attention(const torch::Tensor& h, const torch::Tensor& qkv_w
   }
   auto out = torch::empty({R, heads * D}, torch::kBFloat16);
   at::BFloat16* O = out.data_ptr<at::BFloat16>();
-  const float sc = static_cast<float>(scale);
-  for (float& x : q) x *= sc;
   at::parallel_for(0, R * kv_heads, 1, [&](int64_t b0, int64_t b1) {  // row r's heads of key/value head j
     std::vector<float> p;
     for (int64_t b = b0; b < b1; ++b) {

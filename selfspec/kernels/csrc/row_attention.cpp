@@ -39,8 +39,13 @@ inline vf zero() { return _mm512_setzero_ps(); }
 inline vf set1(float x) { return _mm512_set1_ps(x); }
 inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf _add(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vf _sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf round_nearest(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf pow2(vf n) {  // 2^n for whole n in -126 .. 127, through the exponent bits
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 inline float hsum(vf x) { return _mm512_reduce_add_ps(x); }
 #else
 using vf = __m256;
@@ -55,8 +60,13 @@ inline vf zero() { return _mm256_setzero_ps(); }
 inline vf set1(float x) { return _mm256_set1_ps(x); }
 inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf _add(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vf _sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf round_nearest(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf pow2(vf n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
 inline float hsum(vf x) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -71,15 +81,9 @@ constexpr int64_t SPAN = 4;   // vectors of the head dimension summed over the v
 // degree-6 Taylor polynomial (relative error ~2e-7, about std::exp's), times 2^n through the exponent bits. Lanes
 // do not interact, so a key's exponential is the same in every row and at every lane.
 inline vf exp_neg(vf x) {
-#if defined(__AVX512F__)
-  x = _mm512_max_ps(x, set1(-87.f));
-  const vf n = _mm512_roundscale_ps(mul(x, set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vf r = fmadd(n, set1(-1.42860677e-06f), fmadd(n, set1(-0.693145752f), x));
-#else
-  x = _mm256_max_ps(x, set1(-87.f));
-  const vf n = _mm256_round_ps(mul(x, set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vf r = fmadd(n, set1(-1.42860677e-06f), fmadd(n, set1(-0.693145752f), x));
-#endif
+  x = vmax(x, set1(-87.f));
+  const vf n = round_nearest(mul(x, set1(1.44269504f)));
+  const vf r = fmadd(n, set1(-1.42860677e-06f), fmadd(n, set1(-0.693145752f), x));  // x - n ln2, ln2 in two parts
   vf y = set1(1.f / 720.f);
   y = fmadd(y, r, set1(1.f / 120.f));
   y = fmadd(y, r, set1(1.f / 24.f));
@@ -87,13 +91,7 @@ inline vf exp_neg(vf x) {
   y = fmadd(y, r, set1(0.5f));
   y = fmadd(y, r, set1(1.f));
   y = fmadd(y, r, set1(1.f));
-#if defined(__AVX512F__)
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return mul(y, _mm512_castsi512_ps(e));
-#else
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return mul(y, _mm256_castsi256_ps(e));
-#endif
+  return mul(y, pow2(n));
 }
 
 // p[0 .. n) <- exp(p - max p); returns their total. Whole vectors from the start, then the rest one by one; the
@@ -104,9 +102,9 @@ float softmax_numerators(float* p, int64_t n) {
   const int64_t whole = n / VW * VW;
   vf sum = zero();
   for (int64_t t = 0; t < whole; t += VW) {
-    const vf e = exp_neg(_sub(loadu(p + t), set1(top)));
+    const vf e = exp_neg(sub(loadu(p + t), set1(top)));
     storeu(p + t, e);
-    sum = _add(sum, e);
+    sum = add(sum, e);
   }
   float total = hsum(sum);
   for (int64_t t = whole; t < n; ++t) {
