@@ -50,6 +50,8 @@ from typing import NamedTuple
 
 import torch
 
+from selfspec.kernels import vnni
+
 NAME = "selfspec_decode"
 ATTENTION = ("decode", "sdpa")  # DecodeConfig.attention: this module's, or the model's as loaded
 MAX_ROWS = 32  # query rows up to which the matrix products serve (a draft tree's verify is at most ~30 rows)
@@ -123,8 +125,6 @@ def _on_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan
     if not (query.dtype == key.dtype == value.dtype == torch.bfloat16 and key.stride(-1) == value.stride(-1) == 1
             and key.stride(-2) == value.stride(-2) == key.shape[-1] and key.stride(1) == value.stride(1)):
         return None
-    from selfspec.kernels import vnni
-
     if not vnni.available() or key.shape[-1] % 16 or not all(plan.keyed for plan in plans):
         return None  # (a row that attends no key: SDPA's result for it, not the kernel's)
     outs = [vnni.row_attention(query[i], key[i], value[i], plan.count, plan.index, scale)

@@ -1,6 +1,7 @@
 """The CPU kernels every full-model forward and every draft step runs on, chosen by the CPU found at run time:
 oneDNN-prepacked bf16 weights (``packed``), our fp16 panel kernel for CPUs without bf16 packing (``fp16``), the
-int4 draft kernel with its VNNI and AVX2 builds (``vnni``), and the C++ sources under ``csrc/``, compiled on first
+int4 draft kernel with its VNNI and AVX2 builds (``vnni``, whose library also holds the row-invariant decode
+attention for bf16 rows), and the C++ sources under ``csrc/``, compiled on first
 use into ``$SELFSPEC_CACHE/kernels``. Nothing here imports the engine, the draft or anything above them."""
 
 
