@@ -57,6 +57,9 @@ ATTENTION = ("decode", "sdpa")  # DecodeConfig.attention: this module's, or the 
 MAX_ROWS = 32  # query rows up to which the matrix products serve (a draft tree's verify is at most ~30 rows)
 CHUNK = 32  # each row's keys pad to whole chunks of this many (row-invariance)
 ROW_INVARIANT = True  # DecodeConfig.row_invariant: every forward row-invariant unless a run says otherwise
+# a model kwarg: the forward's first this many rows are its tokens, the rest padding whose outputs nobody reads
+# (selfspec.engine.decoding.forward_at); on the row kernel a padding row attends its first key only
+REAL_ROWS = "selfspec_real_rows"
 # below these sizes the library's matrix products take other paths (a product of 1-3 rows, or of fewer than 12
 # columns, rounds differently from the same rows and columns inside a larger one on the Zen 4's library): every
 # product here is padded with zeros to at least this many rows and columns, so every row takes the same path
@@ -81,6 +84,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     row-invariant C++ kernel where it runs (:func:`_on_kernel`); false: the matrix products here."""
     b, heads, rows, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
+    real = kwargs.pop(REAL_ROWS, None)
     if (rows > MAX_ROWS or (attention_mask is None and rows > 1) or dropout or heads % kv_heads
             or kwargs.get("output_attentions") or any(kwargs.get(k) is not None for k in _UNCOVERED)
             or value.shape[-1] != dim or (attention_mask is not None and (
@@ -93,7 +97,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
         allowed, plans = None, [_plan_one_row(keys, chunk)] * b
     else:
         allowed = attention_mask[:, 0, :, :keys].expand(b, rows, keys)
-        plans = _plans_of(attention_mask, allowed, chunk)
+        plans = _plans_of(attention_mask, allowed, chunk, real)
     if chunk != 1 and kernel:
         out = _on_kernel(query, key, value, plans, scale)
         if out is not None:
@@ -195,12 +199,16 @@ def _plan(allowed: torch.Tensor, chunk: int) -> Plan:
 _memo: list = [None, None]  # (a weak reference to the last mask, its plans): every layer of a forward gets one mask
 
 
-def _plans_of(mask: torch.Tensor, allowed: torch.Tensor, chunk: int) -> list:
+def _plans_of(mask: torch.Tensor, allowed: torch.Tensor, chunk: int, real: int | None = None) -> list:
+    """The plans of a forward's batch rows; ``real``: rows from this one on are padding, and their keys are cut to
+    the first (the row kernel's count; their outputs are not read, and no other row depends on them)."""
     ref, cached = _memo
-    if ref is not None and ref() is mask and cached[0] == (allowed.shape, chunk):
+    if ref is not None and ref() is mask and cached[0] == (allowed.shape, chunk, real):
         return cached[1]
     plans = [_plan(a, chunk) for a in allowed]
-    _memo[0], _memo[1] = weakref.ref(mask), ((allowed.shape, chunk), plans)
+    if real is not None and real < allowed.shape[1]:
+        plans = [p._replace(count=torch.cat([p.count[:real], p.count[real:].clamp(max=1)])) for p in plans]
+    _memo[0], _memo[1] = weakref.ref(mask), ((allowed.shape, chunk, real), plans)
     return plans
 
 

@@ -27,7 +27,7 @@ import torch
 
 from selfspec.draft.fused import draft_step
 from selfspec.draft.path import DEFAULT_ADAPTIVE, DEFAULT_K, DEFAULT_THRESHOLD
-from selfspec.engine.attention import ATTENTION, ROW_INVARIANT, decode_attention
+from selfspec.engine.attention import ATTENTION, REAL_ROWS, ROW_INVARIANT, decode_attention
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.sampling import (
     SamplingParams,
@@ -151,7 +151,8 @@ def forward_at(model, cache: PositionalKVCache, tokens: torch.Tensor, start: int
 
     ``rows``: a forward over fewer tokens is padded to this many rows (copies of the last
     token at the next positions, after the real ones, so the causal mask hides them from the
-    real rows; their cache slots are overwritten before any forward reads them). On CPU a
+    real rows; their cache slots are overwritten before any forward reads them; where the row
+    kernel serves the attention they attend one key, so their cost does not grow with the context). On CPU a
     matrix product over a few rows can read the weights faster than over one
     (``scripts/verify_width.py``). The cache must hold ``rows - n`` slots past the tokens.
     """
@@ -173,6 +174,8 @@ def forward_at(model, cache: PositionalKVCache, tokens: torch.Tensor, start: int
         if logits is not None:
             return logits
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    if pad > 0:  # the padding rows' keys: their first only, on the row kernel (selfspec.engine.attention)
+        kwargs[REAL_ROWS] = n
     out = model(input_ids=tokens.reshape(1, width), position_ids=pos, **cache_kwargs(model, cache),
                 use_cache=True, logits_to_keep=keep + max(pad, 0), **kwargs)
     return out.logits[0, :keep]

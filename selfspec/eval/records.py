@@ -238,29 +238,35 @@ def _pass_speedups(rows: list[dict], base_rows: list[dict]) -> list[float]:
     return out
 
 
-def paired_bootstrap(rows: list[dict], base_rows: list[dict], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+def paired_bootstrap(rows: list[dict], base_rows: list[dict], n: int = 2000, seed: int = 0,
+                     decode: bool = False) -> tuple[float, float]:
     """95% interval of the speedup of ``rows`` over ``base_rows``, paired by sample (percentile bootstrap).
 
     Each resample draws the run's samples with replacement and takes total tokens over total
     time of both methods on the same draw, as the speedup itself is taken; a sample decoded in
     several passes counts with all of them (its tokens and times summed). The interval covers
     the prompts' spread; the passes' own spread is in ``speedup_reps``. NaN with fewer than two
-    paired samples.
+    paired samples. ``decode``: the tokens after each request's first over the time after it (the
+    prefill left out, :func:`paired_totals`).
     """
-    def totals(rs: list[dict]) -> dict[str, list[float]]:
-        acc: dict[str, list[float]] = {}
-        for r in rs:
-            st = stats_of_row(r)
-            t = acc.setdefault(r["sample_id"], [0.0, 0.0])
-            t[0] += st.new_tokens
-            t[1] += st.total_time
-        return acc
-
-    mine, theirs = totals(rows), totals(base_rows)
+    mine, theirs = paired_totals(rows, decode), paired_totals(base_rows, decode)
     ids = sorted(set(mine) & set(theirs))
     if len(ids) < 2:
         return float("nan"), float("nan")
     return ratio_interval(torch.tensor([mine[i] + theirs[i] for i in ids], dtype=torch.float64), n, seed)
+
+
+def paired_totals(rows: list[dict], decode: bool = False) -> dict[str, list[float]]:
+    """Per sample id, ``[tokens, seconds]`` over its rows: every new token over the whole time, or with ``decode``
+    the tokens after each request's first over the time after it (what a draft changes; a long prompt's prefill
+    is the same for every method and dilutes the end-to-end ratio)."""
+    acc: dict[str, list[float]] = {}
+    for r in rows:
+        st = stats_of_row(r)
+        t = acc.setdefault(r["sample_id"], [0.0, 0.0])
+        t[0] += st.new_tokens - (st.requests if decode else 0)
+        t[1] += st.total_time - (st.ttft if decode else 0.0)
+    return acc
 
 
 def ratio_interval(pairs: torch.Tensor, n: int = 2000, seed: int = 0) -> tuple[float, float]:

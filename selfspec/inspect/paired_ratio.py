@@ -8,6 +8,8 @@ gives the ratio of any two methods of the run (tokens over time of both on the s
 it; :func:`selfspec.eval.records.paired_bootstrap`) and their tokens a round, one line per task set folder, then
 one line for all the run's rows together ("all sets": tokens over time of every row, the bootstrap drawing from all
 of them, so that a difference of a few percent that no set's 10 rows resolve can be bounded over the whole run).
+``--decode`` takes the tokens after each request's first over the time after it instead: the prefill left out,
+which over prompts of thousands of tokens is a large share of every method's time and the same for each.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import argparse
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
-from selfspec.eval.records import paired_bootstrap, read_jsonl, summarize
+from selfspec.eval.records import paired_bootstrap, paired_totals, read_jsonl, summarize
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,6 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("run", help="an eval run's model folder: one folder per task set, each with samples.jsonl")
     ap.add_argument("method")
     ap.add_argument("base")
+    ap.add_argument("--decode", action="store_true",
+                    help="decode speed: tokens after each request's first over the time after it (no prefill)")
     args = ap.parse_args(argv)
     folders = sorted(p.parent for p in Path(args.run).glob("*/samples.jsonl"))
     if not folders:
@@ -34,17 +38,21 @@ def main(argv: list[str] | None = None) -> None:
         mine, base = ([r for r in rows if r.get("method") == m] for m in (args.method, args.base))
         if not mine or not base:
             raise SelfSpecError(f"{folder}: no rows of {args.method if not mine else args.base}")
-        _line(folder.name, mine, base, args.method, args.base)
+        _line(folder.name, mine, base, args.method, args.base, args.decode)
         for kept, rs in zip(pooled, (mine, base)):  # one sample id per set and prompt
             kept.extend({**r, "sample_id": f"{folder.name}/{r['sample_id']}"} for r in rs)
     if len(folders) > 1:
-        _line("all sets", *pooled, args.method, args.base)
+        _line("all sets", *pooled, args.method, args.base, args.decode)
 
 
-def _line(name: str, mine: list[dict], base: list[dict], method: str, base_name: str) -> None:
-    lo, hi = paired_bootstrap(mine, base)
+def _line(name: str, mine: list[dict], base: list[dict], method: str, base_name: str, decode: bool = False) -> None:
+    lo, hi = paired_bootstrap(mine, base, decode=decode)
     s = summarize(mine + base, base_name)
+    a, b = (paired_totals(rs, decode) for rs in (mine, base))
+    ids = set(a) & set(b)
+    ratio = (sum(a[i][0] for i in ids) / sum(a[i][1] for i in ids)) / (sum(b[i][0] for i in ids) / sum(b[i][1] for i in ids))
     lengths = " / ".join(f"{s[m]['mean_accepted_length']:.2f}" if s[m].get("rounds") else "-" for m in (method, base_name))
-    print(f"{name:<16} {method} over {base_name}: {s[method]['speedup']:.3f}x (95% {lo:.3f}-{hi:.3f}); "
+    what = "decode speed" if decode else "speed"
+    print(f"{name:<16} {method} over {base_name} ({what}): {ratio:.3f}x (95% {lo:.3f}-{hi:.3f}); "
           f"tokens a round {lengths}")
 

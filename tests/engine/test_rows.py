@@ -5,9 +5,11 @@ import torch
 
 from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
 from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.errors import SelfSpecError
+from selfspec.kernels import vnni
 from tests.helpers import PROMPT
 
 N = 4
@@ -49,6 +51,35 @@ def test_wide_verifies_are_token_identical_in_bf16(make_model, k):
             for opts in (DraftOptions(), DraftOptions(ngram=1, copy_tokens=k + 2)):
                 sp = self_speculative(model, PROMPT, plan, cfg, draft=DraftPath(model, plan, opts))
                 assert sp.tokens == ar, (rows, plan.describe(), opts)
+
+
+@pytest.mark.skipif(not vnni.available(), reason="no C++ row kernel here")
+def test_padding_rows_attend_one_key_on_the_row_kernel(make_model, monkeypatch):
+    """A padded step's real rows compute what an unpadded step computes, bit for bit in bf16, while its padding
+    rows attend their first key only (their cost does not grow with the context)."""
+    model = make_model("qwen2", torch.bfloat16)
+    counts = []
+    kernel = vnni.row_attention
+
+    def spy(q, k, v, count, index, scale):
+        counts.append(count.tolist())
+        return kernel(q, k, v, count, index, scale)
+
+    monkeypatch.setattr(vnni, "row_attention", spy)
+    ids, n = torch.tensor(PROMPT), len(PROMPT)
+    out = {}
+    with torch.inference_mode(), decode_attention(model):
+        for rows in (1, 6):
+            cache = PositionalKVCache(model, max_len=n + 8)
+            forward_at(model, cache, ids[:-3], 0, keep=1)
+            counts.clear()
+            out[rows] = torch.cat([forward_at(model, cache, ids[-3:-2], n - 3, keep=1, rows=rows),
+                                   forward_at(model, cache, ids[-2:], n - 2, keep=2, rows=rows)])
+            assert counts, "the row kernel did not serve the steps"
+            one, two = counts[0], counts[-1]
+            expect = ([n - 2], [n - 1, n]) if rows == 1 else ([n - 2] + [1] * 5, [n - 1, n] + [1] * 4)
+            assert (one, two) == expect
+    assert torch.equal(out[1], out[6])
 
 
 def test_long_runs_across_a_sliding_window_with_fallback(make_model):

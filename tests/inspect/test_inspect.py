@@ -91,6 +91,25 @@ def test_route_bounds_price_each_route_on_the_drafts_own_rounds(tmp_path, capsys
     assert 0 <= record["contexts"]["40"]["attention_share_of_draft_step"] < 1 and "exit oracle" in p.stdout
 
 
+def test_skip_scan_simulates_each_kept_sublayer_skipped_and_adds_the_best(tmp_path, capsys, tiny_study):
+    out, plan = tmp_path / "scan.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
+    p = _run(capsys, "skip-scan", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens",
+             "12", "--groups", "--steps", "2", "--dtype", "float32", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    draft = json.loads(plan.read_text())
+    n, kept = draft["num_layers"], [(k, i) for k in ("attn", "mlp") for i in range(1, draft["num_layers"] - 1)
+                                    if i not in draft[k]]
+    first, second = record["steps"]
+    assert sorted((c["kind"], c["layer"]) for c in first["candidates"]) == sorted(kept)
+    speeds = [c["decode_speedup"] for c in first["candidates"]]
+    assert speeds == sorted(speeds, reverse=True) and all(s > 0 for s in speeds)
+    best = first["candidates"][0]
+    assert best["layer"] in first[best["kind"]] and len(second["candidates"]) == len(kept) - 1
+    assert len(second["attn"]) + len(second["mlp"]) == len(draft["attn"]) + len(draft["mlp"]) + 2 and n > 2
+    assert "step 2:" in p.stdout and record["as_found"]["decode_speedup"] > 0
+
+
 def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, capsys):
     def row(sample, method, tokens, seconds, rounds=0, accepted=0):
         return {"type": "sample", "sample_id": sample, "method": method, "turns": 1, "new_tokens": tokens,
@@ -107,8 +126,12 @@ def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, caps
     p = _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "chain")
     assert p.returncode == 0, p.stderr[-2000:]
     # 50 tokens in 4 s over 50 in 5 s; tokens a round 1 + 30/10 and 1 + 26/12
-    assert "gsm8k" in p.stdout and "tree over chain: 1.250x (95% " in p.stdout and "tokens a round 4.00 / 3.17" in p.stdout
+    assert "gsm8k" in p.stdout and "tree over chain (speed): 1.250x (95% " in p.stdout
+    assert "tokens a round 4.00 / 3.17" in p.stdout
     # all rows: 60 tokens in 5 s over 60 in 6 s, mtbench's "a" its own sample (three pairs, not two)
     (pooled,) = [line for line in p.stdout.splitlines() if line.startswith("all sets")]
-    assert "tree over chain: 1.200x (95% " in pooled
+    assert "tree over chain (speed): 1.200x (95% " in pooled
+    # decode speed: each request's first token and its 0.1 s left out: 48 tokens in 3.8 s over 48 in 4.8 s
+    d = _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "chain", "--decode")
+    assert d.returncode == 0 and "gsm8k" in d.stdout and f"tree over chain (decode speed): {4.8 / 3.8:.3f}x" in d.stdout
     assert _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "ar").returncode != 0
