@@ -2,7 +2,7 @@
 
     selfspec-inspect skip-scan results/optuna/qwen2.5-coder-1.5b-longchat.db \
         --draft results/plans/qwen2.5-coder-1.5b-longchat.json --groups [--tokens 64] [--steps 2] \
-        [--kinds attn mlp] [--out results/skip_scan.jsonl]
+        [--kinds attn mlp] [--write draft.json] [--out results/skip_scan.jsonl]
 
 Decodes the study's calibration prompts with our AR (``--tokens`` each) and simulates, on those continuations
 (:mod:`selfspec.search.simulate`, exact for greedy decoding), the draft with one more sublayer skipped, for every
@@ -11,7 +11,8 @@ acceptance is simulated, what it saves is priced by a cost model measured now at
 sublayer's cost there, from whole draft forwards without it). The best candidate joins the draft and the scan
 runs again, ``--steps`` times, whether or not the last step paid: a skip set that pays only as a whole shows as a
 later step above 1. Prints each step's best candidates, their tokens per round and predicted decode speedup
-against the draft as found, and appends one JSON line to ``--out``.
+against the draft as found, and appends one JSON line to ``--out``; ``--write`` saves the draft with every step's
+skip added (to measure it in a real run, e.g. ``+experiment=long_context``).
 
 Where the search never keeps a skip (its trials with skips are few, and TPE leaves that region early), this asks
 the question directly, one sublayer at a time, on the draft the search chose.
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=2, help="sublayers added one after the other")
     ap.add_argument("--kinds", nargs="+", default=["attn", "mlp"], choices=["attn", "mlp"])
     ap.add_argument("--show", type=int, default=5, help="candidates printed per step")
+    ap.add_argument("--write", help="save the draft with the scan's skips added to this file")
     ap.add_argument("--out", default="results/skip_scan.jsonl")
     args = ap.parse_args(argv)
     name, lm, spec, prompts, groups = replayed(args)
@@ -94,3 +96,5 @@ def main(argv: list[str] | None = None) -> None:
               "groups": [g for g, _ in groups], "prompts": len(prompts), "kinds": args.kinds, "as_found": base,
               "steps": steps, "costs": costs.to_dict()}
     append_row(args.out, record, echo=False)
+    if args.write:
+        print(f"the draft with its {args.steps} added skips written to {current.save(args.write)}")

@@ -94,7 +94,8 @@ def test_route_bounds_price_each_route_on_the_drafts_own_rounds(tmp_path, capsys
 def test_skip_scan_simulates_each_kept_sublayer_skipped_and_adds_the_best(tmp_path, capsys, tiny_study):
     out, plan = tmp_path / "scan.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
     p = _run(capsys, "skip-scan", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens",
-             "12", "--groups", "--steps", "2", "--dtype", "float32", "--out", str(out))
+             "12", "--groups", "--steps", "2", "--dtype", "float32", "--out", str(out), "--write",
+             str(tmp_path / "plus.json"))
     assert p.returncode == 0, p.stderr[-2000:]
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     draft = json.loads(plan.read_text())
@@ -108,6 +109,8 @@ def test_skip_scan_simulates_each_kept_sublayer_skipped_and_adds_the_best(tmp_pa
     assert best["layer"] in first[best["kind"]] and len(second["candidates"]) == len(kept) - 1
     assert len(second["attn"]) + len(second["mlp"]) == len(draft["attn"]) + len(draft["mlp"]) + 2 and n > 2
     assert "step 2:" in p.stdout and record["as_found"]["decode_speedup"] > 0
+    written = json.loads((tmp_path / "plus.json").read_text())
+    assert (written["attn"], written["mlp"], written["options"]) == (second["attn"], second["mlp"], draft["options"])
 
 
 def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, capsys):
