@@ -50,6 +50,8 @@ def _line(name: str, mine: list[dict], base: list[dict], method: str, base_name:
     s = summarize(mine + base, base_name)
     a, b = (paired_totals(rs, decode) for rs in (mine, base))
     ids = set(a) & set(b)
+    if not ids:
+        raise SelfSpecError(f"{name}: no sample that both {method} and {base_name} decoded")
     ratio = (sum(a[i][0] for i in ids) / sum(a[i][1] for i in ids)) / (sum(b[i][0] for i in ids) / sum(b[i][1] for i in ids))
     lengths = " / ".join(f"{s[m]['mean_accepted_length']:.2f}" if s[m].get("rounds") else "-" for m in (method, base_name))
     what = "decode speed" if decode else "speed"

@@ -37,7 +37,21 @@ def with_skip(spec: DraftSpec, kind: str, layer: int) -> DraftSpec:
     plan = spec.plan
     attn, mlp = set(plan.attn), set(plan.mlp)
     (attn if kind == "attn" else mlp).add(layer)
-    return replace(spec, plan=replace(plan, attn=tuple(sorted(attn)), mlp=tuple(sorted(mlp))))
+    return spec.replace(plan=replace(plan, attn=tuple(sorted(attn)), mlp=tuple(sorted(mlp))))
+
+
+def scanned_draft(spec: DraftSpec, record: dict) -> DraftSpec:
+    """``spec`` with every step's best skip of a scan's ``record`` added; what it carries as measured is the scan's
+    derivation and prediction, not the measurements of the draft it came from (as the ablation's drafts)."""
+    for step in record["steps"]:
+        best = step["candidates"][0]
+        spec = with_skip(spec, best["kind"], best["layer"])
+    last = record["steps"][-1]["candidates"][0] if record["steps"] else record["as_found"]
+    return spec.replace(measured={"skip_scan_of": record["draft"], "study": record["study"],
+                                  "added": [[s["candidates"][0]["kind"], s["candidates"][0]["layer"]]
+                                            for s in record["steps"]],
+                                  "predicted_decode_speedup": last["decode_speedup"],
+                                  "as_found_predicted_decode_speedup": record["as_found"]["decode_speedup"]})
 
 
 def candidates(spec: DraftSpec, kinds: list[str]) -> list[tuple[str, int]]:
@@ -97,4 +111,4 @@ def main(argv: list[str] | None = None) -> None:
               "steps": steps, "costs": costs.to_dict()}
     append_row(args.out, record, echo=False)
     if args.write:
-        print(f"the draft with its {args.steps} added skips written to {current.save(args.write)}")
+        print(f"the draft with its {args.steps} added skips written to {scanned_draft(spec, record).save(args.write)}")

@@ -111,6 +111,9 @@ def test_skip_scan_simulates_each_kept_sublayer_skipped_and_adds_the_best(tmp_pa
     assert "step 2:" in p.stdout and record["as_found"]["decode_speedup"] > 0
     written = json.loads((tmp_path / "plus.json").read_text())
     assert (written["attn"], written["mlp"], written["options"]) == (second["attn"], second["mlp"], draft["options"])
+    # what it carries as measured is the scan's, not the measurements of the draft it came from
+    assert written["measured"]["skip_scan_of"] == str(plan) and len(written["measured"]["added"]) == 2
+    assert written["measured"]["predicted_decode_speedup"] == second["candidates"][0]["decode_speedup"]
 
 
 def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, capsys):
