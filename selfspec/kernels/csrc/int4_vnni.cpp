@@ -23,23 +23,84 @@
 
 namespace {
 
+#if defined(__AVX512F__)
+
+inline __m512 bf16x16(const at::BFloat16* p) {  // bf16 -> fp32 is a shift of 16 bits
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// One block of 64 activations x to int8 q: returns their largest magnitude; sum[j] is the sum of q over inputs
+// 32j .. 32j + 31. Each q = x * (127 / amax) rounded to nearest, ties to even (the default rounding mode, that of
+// std::nearbyint), clamped to +-127: the same values, bit for bit, as an elementwise loop.
+inline float quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2]) {
+  __m512 v[4];
+  __m512 top = _mm512_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = bf16x16(x + 16 * j);
+    top = _mm512_max_ps(top, _mm512_abs_ps(v[j]));
+  }
+  const float amax = _mm512_reduce_max_ps(top), inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512 s = _mm512_set1_ps(inv);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  __m512i t[4];
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v[j], s)), lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * j), _mm512_cvtepi32_epi8(t[j]));
+  }
+  sum[0] = _mm512_reduce_add_epi32(_mm512_add_epi32(t[0], t[1]));
+  sum[1] = _mm512_reduce_add_epi32(_mm512_add_epi32(t[2], t[3]));
+  return amax;
+}
+
+#else
+
+inline __m256 bf16x8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+// The AVX-512 build's quantize_block on 256-bit vectors (the same values).
+inline float quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2]) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[8];
+  __m256 top = _mm256_setzero_ps();
+  for (int j = 0; j < 8; ++j) {
+    v[j] = bf16x8(x + 8 * j);
+    top = _mm256_max_ps(top, _mm256_and_ps(v[j], magnitude));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1))), inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256 s = _mm256_set1_ps(inv);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' interleaving of lanes
+  __m256i t[8];
+  for (int j = 0; j < 8; ++j) t[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], s)), lo), hi);
+  for (int j = 0; j < 8; j += 4) {  // 32 values to 32 bytes
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(t[j], t[j + 1]), _mm256_packs_epi32(t[j + 2], t[j + 3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * j), _mm256_permutevar8x32_epi32(bytes, order));
+    sum[j / 4] = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(t[j], t[j + 1]), _mm256_add_epi32(t[j + 2], t[j + 3])));
+  }
+  return amax;
+}
+
+#endif
+
 // Per row m: xq int8 [M, K], xs [M, K/64] the block scales, xg [M, K/G] each group's sum of the *rounded*
 // activations (xs * xq), so that the zero point's term and the integer products see the same inputs.
 void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* xs, float* xg) {
   const int64_t blocks = K / 64;
   for (int64_t m = 0; m < M; ++m) {
-    const at::BFloat16* xr = x + m * K;
     for (int64_t b = 0; b < blocks; ++b) {
-      float amax = 0.f;
-      for (int i = 0; i < 64; ++i) amax = std::max(amax, std::abs(static_cast<float>(xr[b * 64 + i])));
-      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum[2] = {0, 0};  // of each 32 inputs
-      for (int i = 0; i < 64; ++i) {
-        const float v = std::nearbyint(static_cast<float>(xr[b * 64 + i]) * inv);
-        const int8_t q = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
-        xq[m * K + b * 64 + i] = q;
-        sum[i / 32] += q;
-      }
+      int32_t sum[2];  // of each 32 inputs
+      const float scale = quantize_block(x + m * K + b * 64, xq + m * K + b * 64, sum) / 127.f;
       xs[m * blocks + b] = scale;
       for (int j = 0; j < 2; ++j) {
         const int64_t k0 = b * 64 + j * 32, g = k0 / G;
@@ -389,7 +450,8 @@ torch::Tensor draft_attention(const torch::Tensor& h, const torch::Tensor& qkv_w
 }
 
 // One draft step's MLP sublayer of a Llama/Qwen2 layer (SiLU), after its norm: gate/up through one stacked int4
-// product ([R, 2I]: gate rows, then up rows), silu(gate) * up rounded to bf16 as the module rounds each, then down.
+// product ([R, 2I]: gate rows, then up rows), silu(gate) * up rounded to bf16 as the module rounds each (vectorized, on
+// one thread: a parallel region costs more than the work), then down.
 torch::Tensor draft_mlp(const torch::Tensor& h, const torch::Tensor& gu_w, const torch::Tensor& gu_sz,
                         const torch::Tensor& down_w, const torch::Tensor& down_sz, int64_t G) {
   torch::Tensor gu = int4_mm(h, gu_w, gu_sz, G);
@@ -397,14 +459,7 @@ torch::Tensor draft_mlp(const torch::Tensor& h, const torch::Tensor& gu_w, const
   auto act = torch::empty({R, I}, torch::kBFloat16);
   const at::BFloat16* X = gu.data_ptr<at::BFloat16>();
   at::BFloat16* A = act.data_ptr<at::BFloat16>();
-  at::parallel_for(0, R * I, 1024, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r = b / I, i = b % I;
-      const float g = static_cast<float>(X[r * 2 * I + i]);
-      const float silu = static_cast<float>(at::BFloat16(g / (1.f + std::exp(-g))));
-      A[b] = at::BFloat16(silu * static_cast<float>(X[r * 2 * I + I + i]));
-    }
-  });
+  for (int64_t r = 0; r < R; ++r) selfspec::silu_mul(X + r * 2 * I, X + r * 2 * I + I, A + r * I, I);
   return int4_mm(act, down_w, down_sz, G);
 }
 
