@@ -1,4 +1,4 @@
-"""A draft step's sublayers in one C++ call each (``csrc/int4_vnni.cpp``: ``draft_attention``, ``draft_mlp``).
+"""A draft step's sublayers in one C++ call each (``csrc/draft_fused.cpp``: ``draft_attention``, ``draft_mlp``).
 
 A 1.5B int4 draft step spends ~27 ms reading its weights and ~20 ms on everything else: hundreds of small operators
 (the rotary embedding, casts, the attention's products over the cache, bias and activation) and the Python around

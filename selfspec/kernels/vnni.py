@@ -42,6 +42,7 @@ from selfspec.locks import check_writable, waiting
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_vnni.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("row_attention.cpp")  # the full model's decode attention, in the same library
+FUSED_SOURCE = SOURCE.with_name("draft_fused.cpp")  # the fused draft calls (selfspec/draft/fused.py), the same too
 # the builds, best first: name -> (the CPU flags it needs, the compiler's flags)
 BUILDS = {"avx512-vnni": (("fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
                           ("-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
@@ -158,7 +159,8 @@ _KERNEL = LazyKernel(_load_once)
 def build(name: str):
     """Compile (or load the cached) build ``name`` of :data:`BUILDS`; its operators, ``torch.ops.selfspec_vnni``."""
     suffix = "" if name == "avx512-vnni" else f"-{name}"  # the AVX-512 build keeps the folder it had
-    compile_extension(SOURCE, f"int4_vnni{suffix}", ["-O3", "-fopenmp", *BUILDS[name][1]], also=(ATTENTION_SOURCE,))
+    compile_extension(SOURCE, f"int4_vnni{suffix}", ["-O3", "-fopenmp", *BUILDS[name][1]],
+                      also=(ATTENTION_SOURCE, FUSED_SOURCE))
     return torch.ops.selfspec_vnni
 
 
