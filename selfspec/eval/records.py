@@ -249,11 +249,21 @@ def paired_bootstrap(rows: list[dict], base_rows: list[dict], n: int = 2000, see
     paired samples. ``decode``: the tokens after each request's first over the time after it (the
     prefill left out, :func:`paired_totals`).
     """
+    return paired_speedup(rows, base_rows, n, seed, decode)[1:]
+
+
+def paired_speedup(rows: list[dict], base_rows: list[dict], n: int = 2000, seed: int = 0,
+                   decode: bool = False) -> tuple[float | None, float, float]:
+    """The speedup of ``rows`` over ``base_rows`` on the samples both decoded (each one's total tokens over its total
+    time) and its 95% interval (:func:`paired_bootstrap`); None for the speedup where no sample was decoded by both."""
     mine, theirs = paired_totals(rows, decode), paired_totals(base_rows, decode)
     ids = sorted(set(mine) & set(theirs))
-    if len(ids) < 2:
-        return float("nan"), float("nan")
-    return ratio_interval(torch.tensor([mine[i] + theirs[i] for i in ids], dtype=torch.float64), n, seed)
+    if not ids:
+        return None, float("nan"), float("nan")
+    pairs = torch.tensor([mine[i] + theirs[i] for i in ids], dtype=torch.float64)
+    tokens, seconds, base_tokens, base_seconds = pairs.sum(dim=0).tolist()
+    lo, hi = ratio_interval(pairs, n, seed) if len(ids) >= 2 else (float("nan"), float("nan"))
+    return (tokens / seconds) / (base_tokens / base_seconds), lo, hi
 
 
 def paired_totals(rows: list[dict], decode: bool = False) -> dict[str, list[float]]:

@@ -5,7 +5,7 @@
 
 The tables give each method's speedup over AR and, for ours, the ratio over the fastest transformers peer; this
 gives the ratio of any two methods of the run (tokens over time of both on the same prompts, as the tables take
-it; :func:`selfspec.eval.records.paired_bootstrap`) and their tokens a round, one line per task set folder, then
+it; :func:`selfspec.eval.records.paired_speedup`) and their tokens a round, one line per task set folder, then
 one line for all the run's rows together ("all sets": tokens over time of every row, the bootstrap drawing from all
 of them, so that a difference of a few percent that no set's 10 rows resolve can be bounded over the whole run).
 ``--decode`` takes the tokens after each request's first over the time after it instead: the prefill left out,
@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
-from selfspec.eval.records import paired_bootstrap, paired_totals, read_jsonl, summarize
+from selfspec.eval.records import paired_speedup, read_jsonl, summarize
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,13 +46,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _line(name: str, mine: list[dict], base: list[dict], method: str, base_name: str, decode: bool = False) -> None:
-    lo, hi = paired_bootstrap(mine, base, decode=decode)
-    s = summarize(mine + base, base_name)
-    a, b = (paired_totals(rs, decode) for rs in (mine, base))
-    ids = set(a) & set(b)
-    if not ids:
+    ratio, lo, hi = paired_speedup(mine, base, decode=decode)
+    if ratio is None:
         raise SelfSpecError(f"{name}: no sample that both {method} and {base_name} decoded")
-    ratio = (sum(a[i][0] for i in ids) / sum(a[i][1] for i in ids)) / (sum(b[i][0] for i in ids) / sum(b[i][1] for i in ids))
+    s = summarize(mine + base, base_name)
     lengths = " / ".join(f"{s[m]['mean_accepted_length']:.2f}" if s[m].get("rounds") else "-" for m in (method, base_name))
     what = "decode speed" if decode else "speed"
     print(f"{name:<16} {method} over {base_name} ({what}): {ratio:.3f}x (95% {lo:.3f}-{hi:.3f}); "

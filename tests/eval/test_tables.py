@@ -20,6 +20,16 @@ def test_the_paired_bootstrap_on_a_fixed_sample():
     assert all(math.isnan(x) for x in paired_bootstrap(mine[:1], base))  # one pair: no interval
 
 
+
+def test_the_paired_speedup_is_total_over_total_on_the_samples_both_decoded():
+    from selfspec.eval.records import paired_bootstrap, paired_speedup
+
+    mine = [_row("a", "m", 10, 1.0), _row("b", "m", 10, 1.0), _row("c", "m", 10, 9.0)]  # c: no base row, left out
+    base = [_row("a", "b", 10, 2.0), _row("b", "b", 10, 4.0)]
+    ratio, lo, hi = paired_speedup(mine, base)
+    assert ratio == pytest.approx((20 / 2) / (20 / 6)) and (lo, hi) == paired_bootstrap(mine, base)
+    assert paired_speedup(mine, [_row("z", "b", 10, 1.0)])[0] is None  # no sample in common
+
 def test_tables_name_the_kernels_and_older_transformers_rows_ran_stock(tmp_path):
     head = {"type": "header", "model": "m", "dataset": "d", "baseline": "autoregressive",
             "fingerprint": {"methods": ["autoregressive", "hf_generate", "hf_prompt_lookup"],
