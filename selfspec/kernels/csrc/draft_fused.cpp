@@ -1,12 +1,13 @@
 // The fused draft calls (selfspec/draft/fused.py): a kept Llama/Qwen2 sublayer of a draft step in one call, its
 // products on the int4 kernel (int4_vnni.cpp), its attention on the row attention's core and its SiLU on the vector
-// math of row_attention.cpp.
+// math of vec.h.
 #include <torch/library.h>
 #include <torch/torch.h>
 #include <ATen/Parallel.h>
 
 #include "int4_vnni.h"
 #include "row_attention.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -79,6 +80,31 @@ torch::Tensor draft_attention(const torch::Tensor& h, const torch::Tensor& qkv_w
   return int4_mm(out, o_w, o_sz, G);
 }
 
+namespace {
+
+// VW values of silu(g) rounded to bf16, times u, rounded to bf16: silu(g) = g / (1 + e^-g), computed with
+// e = e^-|g| as g / (1 + e) for g >= 0 and g e / (1 + e) below, so that no exponential overflows.
+inline void silu_mul_vector(const at::BFloat16* g, const at::BFloat16* u, at::BFloat16* out) {
+  const vf x = load_bf16(g);
+  const vf e = exp_neg(sub(zero(), vabs(x)));
+  const vf silu = round_bf16(div(times_below_zero(x, e), add(set1(1.f), e)));
+  store_bf16(out, mul(silu, load_bf16(u)));
+}
+
+// out[i] = bf16(bf16(silu(g[i])) * u[i]) for i < n, as a SiLU MLP module rounds each operator's output.
+void silu_mul(const at::BFloat16* g, const at::BFloat16* u, at::BFloat16* out, int64_t n) {
+  const int64_t whole = n / VW * VW;
+  for (int64_t i = 0; i < whole; i += VW) silu_mul_vector(g + i, u + i, out + i);
+  if (whole == n) return;
+  at::BFloat16 gb[VW] = {}, ub[VW] = {}, ob[VW];
+  std::copy(g + whole, g + n, gb);
+  std::copy(u + whole, u + n, ub);
+  silu_mul_vector(gb, ub, ob);
+  std::copy(ob, ob + (n - whole), out + whole);
+}
+
+}  // namespace
+
 // One draft step's MLP sublayer of a Llama/Qwen2 layer (SiLU), after its norm: gate/up through one stacked int4
 // product ([R, 2I]: gate rows, then up rows), silu(gate) * up rounded to bf16 as the module rounds each (vectorized, on
 // one thread: a parallel region costs more than the work), then down.
@@ -89,7 +115,7 @@ torch::Tensor draft_mlp(const torch::Tensor& h, const torch::Tensor& gu_w, const
   auto act = torch::empty({R, I}, torch::kBFloat16);
   const at::BFloat16* X = gu.data_ptr<at::BFloat16>();
   at::BFloat16* A = act.data_ptr<at::BFloat16>();
-  for (int64_t r = 0; r < R; ++r) selfspec::silu_mul(X + r * 2 * I, X + r * 2 * I + I, A + r * I, I);
+  for (int64_t r = 0; r < R; ++r) silu_mul(X + r * 2 * I, X + r * 2 * I + I, A + r * I, I);
   return int4_mm(act, down_w, down_sz, G);
 }
 

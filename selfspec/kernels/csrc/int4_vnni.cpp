@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include "int4_vnni.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -25,11 +26,6 @@ namespace {
 
 #if defined(__AVX512F__)
 
-inline __m512 bf16x16(const at::BFloat16* p) {  // bf16 -> fp32 is a shift of 16 bits
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // One block of 64 activations x to int8 q: returns their largest magnitude; sum[j] is the sum of q over inputs
 // 32j .. 32j + 31. Each q = x * (127 / amax) rounded to nearest, ties to even (the default rounding mode, that of
 // std::nearbyint), clamped to +-127: the same values, bit for bit, as an elementwise loop.
@@ -37,7 +33,7 @@ inline float quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2]) {
   __m512 v[4];
   __m512 top = _mm512_setzero_ps();
   for (int j = 0; j < 4; ++j) {
-    v[j] = bf16x16(x + 16 * j);
+    v[j] = load_bf16(x + 16 * j);
     top = _mm512_max_ps(top, _mm512_abs_ps(v[j]));
   }
   const float amax = _mm512_reduce_max_ps(top), inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -55,11 +51,6 @@ inline float quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2]) {
 
 #else
 
-inline __m256 bf16x8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
 inline int32_t hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
@@ -72,7 +63,7 @@ inline float quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2]) {
   __m256 v[8];
   __m256 top = _mm256_setzero_ps();
   for (int j = 0; j < 8; ++j) {
-    v[j] = bf16x8(x + 8 * j);
+    v[j] = load_bf16(x + 8 * j);
     top = _mm256_max_ps(top, _mm256_and_ps(v[j], magnitude));
   }
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
@@ -249,12 +240,6 @@ inline __m256i dot64(__m256i q0, __m256i q1, const int8_t* a) {
   const __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
   const __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32)));
   return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
 template <int MB>

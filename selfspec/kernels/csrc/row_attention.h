@@ -1,5 +1,4 @@
-// The row attention's core (row_attention.cpp), shared with the fused draft steps' attention (int4_vnni.cpp), and
-// the vector math that the fused MLP sublayers take from it.
+// The row attention's core (row_attention.cpp), shared with the fused draft steps' attention (draft_fused.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,9 +14,5 @@ namespace selfspec {
 // p: scratch.
 void attend_heads(const float* qf, int64_t heads, const at::BFloat16* K, const at::BFloat16* V, const int64_t* cols,
                   int64_t n, int64_t D, std::vector<float>& p, at::BFloat16* out, int64_t stride);
-
-// out[i] = bf16(bf16(silu(g[i])) * u[i]) for i < n, as a SiLU MLP module rounds each operator's output; the
-// exponential is the attention's polynomial (relative error ~2e-7), vectorized.
-void silu_mul(const at::BFloat16* g, const at::BFloat16* u, at::BFloat16* out, int64_t n);
 
 }  // namespace selfspec
