@@ -4,9 +4,11 @@ others in this process."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
+from selfspec.draft.spec import DraftSpec
 from selfspec.inspect import main as inspect_main
 from tests.helpers import ROOT, run_main
 
@@ -62,12 +64,15 @@ def test_overhead_spread_measures_the_loop_overheads_again_and_again(tmp_path, c
 def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, capsys, tiny_study):
     out, plan = tmp_path / "bound.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
     p = _run(capsys, "tree-bound", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens", "12",
-             "--groups", "--branch", "0.5", "--nodes", "6", "--k", "1", "7", "--dtype", "float32", "--out", str(out))
+             "--groups", "--branch", "0.5", "--nodes", "6", "--k", "1", "7", "--adaptive", "0.5", "--dtype", "float32",
+             "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["groups"] == ["all"] and record["machine"] and record["costs"]["t_full"] > 0
-    depths = {f"{kind} k={k}" for k in (1, 7) if k != json.loads(plan.read_text())["k"] for kind in ("chain", "oracle")}
-    assert set(record["summary"]) == {"chain", "as found", "tree copies only/6", "tree 0.5/6", "oracle", *depths}
+    k = json.loads(plan.read_text())["k"]
+    depths = {f"{kind} k={d}" for d in (1, 7) if d != k for kind in ("chain", "oracle")}
+    adaptive = {f"adaptive k={d}/0.5" for d in {1, 7, k}}
+    assert set(record["summary"]) == {"chain", "as found", "tree copies only/6", "tree 0.5/6", "oracle", *depths, *adaptive}
     rows = {r["variant"]: r for r in record["rows"]}
     assert {r["rounds"]["tokens"] for r in rows.values()} == {rows["chain"]["rounds"]["tokens"]}  # same continuations
     for label in [lab for lab in rows if lab.startswith("oracle")]:
@@ -75,6 +80,17 @@ def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, capsys, tiny_
         assert rows[label]["tokens_per_round"] >= chain["tokens_per_round"]
         assert rows[label]["decode_speedup"] >= chain["decode_speedup"] * 0.999
     assert record["summary"]["chain"]["tokens_gain"] == 1.0 and "oracle" in p.stdout
+    # a model draft of the tiny random model drafts every token far under 0.99: an exit there stops after one token,
+    # so at any depth it drafts as a chain of k=1 does
+    modeled = DraftSpec.load(plan)
+    modeled = replace(modeled, k=3, options=replace(modeled.options, model_draft=True)).save(tmp_path / "model.json")
+    one = _run(capsys, "tree-bound", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(modeled),
+               "--tokens", "12", "--groups", "--branch", "--nodes", "--k", "1", "7", "--adaptive", "0.99", "--dtype",
+               "float32", "--out", str(out))
+    assert one.returncode == 0, one.stderr[-2000:]
+    drafted = {r["variant"]: r["rounds"]["model_rounds"] for r in json.loads(out.read_text().splitlines()[-1])["rows"]}
+    assert drafted["chain k=1"] and set(drafted["chain k=1"]) == {"1"}
+    assert drafted["adaptive k=7/0.99"] == drafted["adaptive k=3/0.99"] == drafted["chain k=1"] != drafted["chain k=7"]
 
 
 def test_route_bounds_price_each_route_on_the_drafts_own_rounds(tmp_path, capsys, tiny_study):
