@@ -244,6 +244,7 @@ def provenance_lines(name: str, runs: list[Run], command: str | None = None) -> 
     cpus = sorted({", ".join(str(m.get(k)) for k in ("cpu", "isa", "kernels", "int4_kernel") if m.get(k))
                    + (f", {m['cores']} cores" if m.get("cores") else "")
                    for m in (p.get("machine") or {} for p in provs)})
+    tokens = sorted({str(r.header.get("fingerprint", {}).get("max_new_tokens", "?")) for r in runs})
     models = []
     for r in runs:
         packaged = str((r.header.get("provenance") or {}).get("model_source", "")).startswith("packaged")
@@ -255,6 +256,7 @@ def provenance_lines(name: str, runs: list[Run], command: str | None = None) -> 
             f"- model: {'; '.join(models)}",
             f"- commit: {', '.join(commits)}; date: {', '.join(dates)}",
             f"- CPU: {'; '.join(cpus) or 'not recorded'}",
+            f"- new tokens: at most {', '.join(tokens)} a turn; task quality scores the answers as cut there",
             "- speedup: tokens/s over the run's autoregressive loop, in one process on the same prompts and kernels; "
             "± is half the width of a 95% paired-bootstrap interval over the prompts", ""]
 

@@ -72,7 +72,7 @@ def _counters_row(row):
 @pytest.mark.parametrize("row_format", ["counters", "legacy"])
 def test_table_builder_numbers(tmp_path, row_format):
     head = {"type": "header", "model": "m", "dataset": "d", "baseline": "autoregressive",
-            "fingerprint": {"methods": ["autoregressive", "self_speculative"],
+            "fingerprint": {"methods": ["autoregressive", "self_speculative"], "max_new_tokens": 16,
                             "decode": {"autoregressive": {"k": 3}, "self_speculative": {"k": 3}},
                             "plans": {"self_speculative": {"num_layers": 4, "attn": [1], "mlp": [0, 2]}}},
             "extra_memory_bytes": {"self_speculative": 2 * 2**20}}
@@ -101,6 +101,8 @@ def test_table_builder_numbers(tmp_path, row_format):
         (tmp_path / "tables" / "exp.md").read_text()
     assert not math.isnan(sp["ttft_s"])
     assert (tmp_path / "tables" / "exp.md").read_text().startswith("# exp\n")  # the provenance list first
+    assert "- new tokens: at most 16 a turn; task quality scores the answers as cut there" in \
+        (tmp_path / "tables" / "exp.md").read_text()
     ar_row, sp_row = methods_overview(by_exp)
     assert (sp_row["run"], sp_row["method"], sp_row["sets"]) == ("exp", "self_speculative", {"d": pytest.approx(2.0)})
     assert sp_row["mean"] == pytest.approx(2.0) and ar_row["mean"] == 1.0
