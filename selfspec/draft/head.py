@@ -47,20 +47,21 @@ class CutHead(nn.Module):
     def vocab(self) -> int:
         return self.inner.out_features
 
-    def copy_for(self, base: torch.Tensor, weights: str, group_size: int) -> tuple | None:
+    def copy_for(self, base: torch.Tensor, weights: str, group_size: int, fit: str = "minmax") -> tuple | None:
         """The ``weights`` copy (int8 | int4) of the ``base`` rows (sorted unique ids), made on first use and
         kept for every draft path with the same base and format; None for ``model``.
         Returns (kernel, group, base ids, packed weight, scales) (:func:`~selfspec.draft.lowbit.quantize`)."""
         if weights == "model":
             return None
-        key = (weights, group_size if weights == "int4" else 0, base.cpu().numpy().tobytes())
+        key = (weights, group_size if weights == "int4" else 0, base.cpu().numpy().tobytes(),
+               fit if weights == "int4" else "")
         if key not in self.copies:
             w = self.inner.weight.detach()
             rows = w if base.numel() == self.vocab else w.index_select(0, base.to(w.device))
             pad = -rows.shape[0] % 16  # torch's int4 kernel packs output rows in blocks of 16: zero rows, cut off again
             if pad:
                 rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-            kernel, qweight, qscale = quantize(rows.contiguous(), weights, group_size)
+            kernel, qweight, qscale = quantize(rows.contiguous(), weights, group_size, fit=fit)
             self.copies[key] = (kernel, key[1], base.to(w.device), qweight, qscale)
         return self.copies[key]
 

@@ -39,17 +39,53 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.to(w.dtype)
 
 
-def _int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+FITS = ("minmax", "lsq")  # how an int4 group's scale and zero are chosen (DraftOptions.int4_fit)
+LSQ_ROUNDS = 4  # refinements of the least-squares fit; each group keeps its smallest error seen
+_ROWS = 8192  # output rows fitted at a time (a 150k-row head in fp32 at once takes gigabytes)
+
+
+def _int4_groups(w: torch.Tensor, group: int, fit: str = "minmax") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 groups of ``group`` inputs: values q [N, K] in 0..15, scale and zero [N, K/group], with
-    weight = (q - 8) * scale + zero (the form torch's int4 kernel computes)."""
+    weight = (q - 8) * scale + zero (the form torch's int4 kernel computes).
+
+    ``fit``: ``minmax`` spans each group's range in 16 even steps; ``lsq`` starts there and refits each group's
+    step and offset to its weights by least squares given its values, then rounds again, :data:`LSQ_ROUNDS`
+    times, keeping per group the fit with the smallest squared error (never worse than ``minmax``'s)."""
     n, k = w.shape
     if k % group:
         raise SelfSpecError(f"int4 needs in_features ({k}) divisible by group_size ({group})")
-    wg = w.float().reshape(n, k // group, group)
-    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15.0).clamp(min=1e-8)
-    q = torch.round((wg - lo) / scale).clamp(0, 15).reshape(n, k).to(torch.int32)
-    return q, scale.squeeze(-1), (lo + 8.0 * scale).squeeze(-1)
+    if fit not in FITS:
+        raise SelfSpecError(f"int4 fit must be one of {', '.join(FITS)}, got {fit!r}")
+    qs, scales, zeros = [], [], []
+    for r0 in range(0, n, _ROWS):
+        wg = w[r0:r0 + _ROWS].float().reshape(-1, k // group, group)
+        lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+        step = ((hi - lo) / 15.0).clamp(min=1e-8)
+        q = torch.round((wg - lo) / step).clamp(0, 15)
+        if fit == "lsq":
+            q, step, lo = _refit(wg, q, step, lo)
+        qs.append(q.reshape(-1, k).to(torch.int32))
+        scales.append(step.squeeze(-1))
+        zeros.append((lo + 8.0 * step).squeeze(-1))
+    return torch.cat(qs), torch.cat(scales), torch.cat(zeros)
+
+
+def _refit(wg: torch.Tensor, q: torch.Tensor, step: torch.Tensor, lo: torch.Tensor) -> tuple:
+    """The ``lsq`` fit of groups ``wg`` [R, G, group] from the values ``q`` = round((wg - lo) / step)."""
+    best = ((q * step + lo - wg) ** 2).sum(-1, keepdim=True)
+    wm = wg.mean(-1, keepdim=True)
+    a, b, v = step, lo, q
+    for _ in range(LSQ_ROUNDS):
+        vm = v.mean(-1, keepdim=True)
+        var = ((v - vm) ** 2).sum(-1, keepdim=True)
+        a = torch.where(var > 0, ((v - vm) * (wg - wm)).sum(-1, keepdim=True) / var.clamp(min=1e-12), a).clamp(min=1e-8)
+        b = wm - a * vm
+        v = torch.round((wg - b) / a).clamp(0, 15)
+        err = ((v * a + b - wg) ** 2).sum(-1, keepdim=True)
+        better = err < best
+        q, step, lo = torch.where(better, v, q), torch.where(better, a, step), torch.where(better, b, lo)
+        best = torch.minimum(err, best)
+    return q, step, lo
 
 
 def group_width(model: nn.Module) -> int:
@@ -58,8 +94,8 @@ def group_width(model: nn.Module) -> int:
     return math.gcd(*(m.in_features for m in model.modules() if isinstance(m, nn.Linear)))
 
 
-def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale, zero = _int4_groups(w, group)
+def _quantize_int4(w: torch.Tensor, group: int, fit: str = "minmax") -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale, zero = _int4_groups(w, group, fit)
     sz = torch.stack([scale.t(), zero.t()], dim=-1).to(w.dtype).contiguous()
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), sz
 
@@ -72,18 +108,20 @@ def int4_kernel(w: torch.Tensor, group: int) -> str:
     return "int4"
 
 
-def quantize(w: torch.Tensor, kind: str, group: int, kernel: str | None = None) -> tuple[str, torch.Tensor, torch.Tensor]:
+def quantize(w: torch.Tensor, kind: str, group: int, kernel: str | None = None,
+             fit: str = "minmax") -> tuple[str, torch.Tensor, torch.Tensor]:
     """A weight-only quantized copy of ``w`` ``[out, in]``: (kernel, packed weight, scales) for :func:`quantized_mm`.
 
-    ``kind``: int8 | int4; ``kernel`` (int4 only): ``int4`` (torch's) or ``int4-vnni``; default :func:`int4_kernel`.
+    ``kind``: int8 | int4; ``kernel`` (int4 only): ``int4`` (torch's) or ``int4-vnni``; default :func:`int4_kernel`;
+    ``fit`` (int4 only): :func:`_int4_groups`.
     """
     if kind == "int8":
         return ("int8", *_quantize_int8(w))
     kernel = kernel or int4_kernel(w, group)
     if kernel == "int4-vnni":
-        q, scale, zero = _int4_groups(w, group)
+        q, scale, zero = _int4_groups(w, group, fit)
         return ("int4-vnni", *vnni.pack(q, torch.stack([scale, zero], dim=-1)))
-    return ("int4", *_quantize_int4(w, group))
+    return ("int4", *_quantize_int4(w, group, fit))
 
 
 def quantized_mm(x2: torch.Tensor, kernel: str, group: int, qweight: torch.Tensor, qscale: torch.Tensor) -> torch.Tensor:
@@ -95,9 +133,12 @@ def quantized_mm(x2: torch.Tensor, kernel: str, group: int, qweight: torch.Tenso
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight, group, qscale)
 
 
-def copy_key(weights: str, group_size: int) -> tuple[str, int]:
-    """The key of a copy in this format (int8 has no groups): :attr:`LowPrecisionLinear.copies`, stacked copies."""
-    return weights, 0 if weights == "int8" else group_size
+def copy_key(weights: str, group_size: int, fit: str = "minmax") -> tuple:
+    """The key of a copy in this format (int8 has no groups; an int4 fit other than ``minmax`` is a third part):
+    :attr:`LowPrecisionLinear.copies`, stacked copies."""
+    if weights == "int8":
+        return weights, 0
+    return (weights, group_size) if fit == "minmax" or weights != "int4" else (weights, group_size, fit)
 
 
 # names of linears of one module that read the same input, by architecture convention (Llama, Qwen2, Gemma3)
@@ -113,39 +154,39 @@ class LowPrecisionLinear(LinearWrapper):
     as extra memory (:attr:`extra_bytes`), the others are held in :attr:`kept_bytes`.
     """
 
-    def __init__(self, inner: nn.Module, weights: str, group_size: int) -> None:
+    def __init__(self, inner: nn.Module, weights: str, group_size: int, fit: str = "minmax") -> None:
         super().__init__(inner)
-        self.key: tuple[str, int] | None = None
+        self.key: tuple | None = None
         self.kind, self.group, self.kernel = "", 0, ""
-        self.copies: dict[tuple[str, int], tuple[str, torch.Tensor, torch.Tensor]] = {}
+        self.copies: dict[tuple, tuple[str, torch.Tensor, torch.Tensor]] = {}
         self.shared: SharedInput | None = None  # the siblings this linear shares its input and products with
         self.rows = slice(0, self.out_features)  # its output rows in the siblings' stacked product
-        self.configure(weights, group_size)
+        self.configure(weights, group_size, fit)
 
-    def configure(self, weights: str, group_size: int) -> None:
+    def configure(self, weights: str, group_size: int, fit: str = "minmax") -> None:
         """Use the copy in this format, quantizing the weight on first use (a draft round calls this for every
         kept linear: the format in use already costs one comparison)."""
-        key = copy_key(weights, group_size)
+        key = copy_key(weights, group_size, fit)
         if key == self.key:
             return
         if key not in self.copies:
             w = self.inner.weight.detach()
-            self.copies[key] = quantize(w, weights, group_size)
+            self.copies[key] = quantize(w, weights, group_size, fit=fit)
         kernel, qweight, qscale = self.copies[key]
         set_plain(self, key=key, kind=key[0], group=key[1], kernel=kernel, qweight=qweight, qscale=qscale)
 
     @property
     def extra_bytes(self) -> int:
         """The copy in use."""
-        return self.copy_bytes(self.kind, self.group)
+        return sum(t.numel() * t.element_size() for t in self.copies[self.key][1:])
 
-    def copy(self, weights: str, group_size: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+    def copy(self, weights: str, group_size: int, fit: str = "minmax") -> tuple[str, torch.Tensor, torch.Tensor]:
         """The copy in this format (made by :meth:`configure`): (kernel, packed weight, scales)."""
-        return self.copies[copy_key(weights, group_size)]
+        return self.copies[copy_key(weights, group_size, fit)]
 
-    def copy_bytes(self, weights: str, group_size: int) -> int:
+    def copy_bytes(self, weights: str, group_size: int, fit: str = "minmax") -> int:
         """The copy in this format (made by :meth:`configure`)."""
-        return sum(t.numel() * t.element_size() for t in self.copy(weights, group_size)[1:])
+        return sum(t.numel() * t.element_size() for t in self.copy(weights, group_size, fit)[1:])
 
     @property
     def kept_bytes(self) -> int:
@@ -178,7 +219,7 @@ class SharedInput:
     def __init__(self, members: list[LowPrecisionLinear]) -> None:
         self.members = members
         # format -> (kernel, group, stacked weight, stacked scales, stacked bias or None)
-        self.stacked: dict[tuple[str, int], tuple] = {}
+        self.stacked: dict[tuple, tuple] = {}
         self.x: torch.Tensor | None = None
         self.version = -1
         self.y: torch.Tensor | None = None
@@ -187,7 +228,7 @@ class SharedInput:
             m.shared, m.rows = self, slice(start, start + m.out_features)
             start += m.out_features
 
-    def stack(self, key: tuple[str, int]) -> None:
+    def stack(self, key: tuple) -> None:
         """Stack the siblings' copies in format ``key`` where their kernel allows it (once per format)."""
         if key in self.stacked or any(key not in m.copies for m in self.members):
             return
@@ -209,7 +250,7 @@ class SharedInput:
                 set_plain(m, qweight=qweight[m.rows], qscale=qscale[m.rows])
         self.stacked[key] = (kernel, key[1], qweight, qscale, bias)
 
-    def output(self, x: torch.Tensor, key: tuple[str, int]) -> torch.Tensor:
+    def output(self, x: torch.Tensor, key: tuple) -> torch.Tensor:
         """Every sibling's output for ``x``, stacked along the last dimension (computed once per input)."""
         version = -1 if x.is_inference() else x._version  # inference tensors count no in-place changes
         if x is not self.x or version != self.version:
@@ -225,14 +266,14 @@ class SharedInput:
         self.x, self.y = None, None
 
 
-def wrap_linears(module: nn.Module, weights: str, group_size: int) -> list[LowPrecisionLinear]:
+def wrap_linears(module: nn.Module, weights: str, group_size: int, fit: str = "minmax") -> list[LowPrecisionLinear]:
     """Give every linear below ``module`` a low-precision copy in this format (reusing existing wrappers); siblings
     (:data:`SIBLINGS`) that all got one share their input (:class:`SharedInput`) and a stacked copy."""
     found = wrap_descendants(
         module, LowPrecisionLinear,
         match=lambda m: isinstance(m, (nn.Linear, PackedLinear)),  # a packed linear stays inside the draft's copy
-        make=lambda m: LowPrecisionLinear(m, weights, group_size),
-        on_existing=lambda m: m.configure(weights, group_size),
+        make=lambda m: LowPrecisionLinear(m, weights, group_size, fit),
+        on_existing=lambda m: m.configure(weights, group_size, fit),
     )
     for parent in module.modules():
         for names in SIBLINGS:

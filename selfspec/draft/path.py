@@ -47,7 +47,7 @@ from torch import nn
 
 from selfspec.draft import fused
 from selfspec.draft.head import CutHead
-from selfspec.draft.lowbit import LowPrecisionLinear, copy_key, wrap_linears
+from selfspec.draft.lowbit import FITS, LowPrecisionLinear, copy_key, wrap_linears
 from selfspec.draft.skip import layer_skipper
 from selfspec.errors import SelfSpecError
 from selfspec.model.plan import SkipPlan
@@ -66,6 +66,9 @@ class DraftOptions:
     group_size: int = 32  # int4 quantization group (along the input dimension)
     head_tokens: int = 0  # 0 = the full LM head while drafting; N = N token ids + prompt + stop tokens
     head_weights: str = "model"  # model | int8 | int4 (group_size): precision of the draft head's rows
+    # how int4 groups (weights and head) take their scale and zero: minmax (each group's range in 16 even steps) |
+    # lsq (refitted to the weights by least squares: a smaller error, the same bytes and kernel; slower to build)
+    int4_fit: str = "minmax"
     ngram: int = 0  # 0 = off; n >= 1: draft by copying what followed the last n tokens in the context
     copy_tokens: int = 0  # longest copy draft; 0 = k, like the layer-skip draft
     # m < ngram: with no n-gram match, copy after the longest match of ngram-1 .. m tokens before drafting
@@ -114,6 +117,8 @@ class DraftOptions:
                 raise SelfSpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not self.model_draft and not self.ngram:
             raise SelfSpecError("model_draft=false drafts by copying only: it needs copy drafting (ngram >= 1)")
+        if self.int4_fit not in FITS:
+            raise SelfSpecError(f"int4_fit must be one of {', '.join(FITS)}, got {self.int4_fit!r}")
         if "int4" in (self.weights, self.head_weights) and self.group_size not in (32, 64, 128, 256):
             raise SelfSpecError(f"int4 group_size must be 32, 64, 128 or 256, got {self.group_size}")
 
@@ -142,8 +147,9 @@ class DraftOptions:
     def record(self) -> dict | None:
         """The options as a run records them (None for the plan-only draft).
 
-        ``copy_tokens``, ``min_ngram``, ``copy_per_match``, ``copy_fallback``, ``head_weights``, ``model_draft``,
-        ``fused``, ``fused_step`` and the tree options appear only when set, so runs recorded before they existed still resume.
+        ``copy_tokens``, ``min_ngram``, ``copy_per_match``, ``copy_fallback``, ``head_weights``, ``int4_fit``,
+        ``model_draft``, ``fused``, ``fused_step`` and the tree options appear only when set, so runs recorded before
+        they existed still resume.
         """
         if self.plain and not self.ngram and not self.tree:
             return None
@@ -158,6 +164,8 @@ class DraftOptions:
             del rec["copy_per_match"]
         if not self.copy_fallback:
             del rec["copy_fallback"]
+        if self.int4_fit == "minmax":
+            del rec["int4_fit"]
         if self.model_draft:
             del rec["model_draft"]
         if self.fused:
@@ -196,13 +204,13 @@ class DraftPath:
         _check_low_precision(model, options)
         self.fused: list[tuple[nn.Module, object]] = []  # (kept sublayer's wrapper, its one-call form)
         if options.weights != "model":
-            key = copy_key(options.weights, options.group_size)
+            key = copy_key(options.weights, options.group_size, options.int4_fit)
             kept = [(self.skipper.attn, set(plan.attn), fused.attention_for),
                     (self.skipper.mlp, set(plan.mlp), fused.mlp_for)]
             for subs, off, fuse in kept:
                 for i, sub in enumerate(subs):
                     if i not in off:
-                        self.linears += wrap_linears(sub.inner, options.weights, options.group_size)
+                        self.linears += wrap_linears(sub.inner, options.weights, options.group_size, options.int4_fit)
                         fast = fuse(model, sub.inner, key) if options.fused else None
                         if fast is not None:
                             self.fused.append((sub, fast))
@@ -223,7 +231,7 @@ class DraftPath:
             n = min(options.head_tokens or vocab, vocab)
             base = set(range(n)) | {int(i) for i in stop_ids if 0 <= int(i) < vocab}
             self.base_ids = torch.tensor(sorted(base), dtype=torch.long)
-            self.head_low = head.copy_for(self.base_ids, options.head_weights, options.group_size)
+            self.head_low = head.copy_for(self.base_ids, options.head_weights, options.group_size, options.int4_fit)
 
     @property
     def extra_bytes(self) -> int:
@@ -241,12 +249,14 @@ class DraftPath:
             else:  # the quantized base rows, and a request's extra ids in bf16
                 head = sum(t.numel() * t.element_size() for t in low[3:]) + (0 if rows is None else
                                                                              rows.numel() * rows.element_size())
-        return sum(lin.copy_bytes(self.options.weights, self.options.group_size) for lin in self.linears) + head
+        o = self.options
+        return sum(lin.copy_bytes(o.weights, o.group_size, o.int4_fit) for lin in self.linears) + head
 
     @property
     def kernels(self) -> list[str]:
         """The low-precision kernels this path drafts through (:func:`~selfspec.draft.lowbit.quantize`), sorted."""
-        found = {lin.copy(self.options.weights, self.options.group_size)[0] for lin in self.linears}
+        o = self.options
+        found = {lin.copy(o.weights, o.group_size, o.int4_fit)[0] for lin in self.linears}
         if self.head_low is not None:
             found.add(self.head_low[0])
         return sorted(found)
@@ -272,7 +282,7 @@ class DraftPath:
         with self.skipper.skipping(self.plan):
             try:
                 for lin in self.linears:
-                    lin.configure(self.options.weights, self.options.group_size)
+                    lin.configure(self.options.weights, self.options.group_size, self.options.int4_fit)
                     set_plain(lin, active=True)
                 for sub, fast in self.fused:
                     set_plain(sub, fast=fast)

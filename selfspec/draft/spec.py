@@ -67,17 +67,20 @@ class DraftSpec:
             key += ("copy_only",)
         if o.ngram and o.copy_per_match:
             key += (("copy_per_match", o.copy_per_match),)
+        if o.int4_fit != "minmax" and "int4" in (o.weights, o.head_weights):
+            key += (("int4_fit", o.int4_fit),)
         return key
 
     def describe(self) -> str:
         o = self.options
         # a copy-only draft runs no model draft: its plan and the model draft's options are unused
         parts = [self.plan.describe() if o.model_draft else "copy only (a plain step where nothing matched)"]
+        fit = "" if o.int4_fit == "minmax" else f" {o.int4_fit}"
         if o.weights != "model":
-            parts.append(f"{o.weights}" + (f" g{o.group_size}" if o.weights == "int4" else ""))
+            parts.append(f"{o.weights}" + (f" g{o.group_size}{fit}" if o.weights == "int4" else ""))
         if o.head_tokens or o.head_weights != "model":
             low = "" if o.head_weights == "model" else f" {o.head_weights}" + (
-                f" g{o.group_size}" if o.head_weights == "int4" else "")
+                f" g{o.group_size}{fit}" if o.head_weights == "int4" else "")
             parts.append(f"head {o.head_tokens or 'full'}{low}")
         if o.ngram:
             parts.append(f"{o.ngram}-gram copy" + (f" (down to {o.min_ngram}-gram)" if o.min_ngram else "")

@@ -1,0 +1,59 @@
+"""The int4 groups' fit: least squares never errs more than the even span of a group's range, costs the same bytes,
+and a draft fitted that way keeps greedy output exact beside one fitted the other way on the same model."""
+
+import pytest
+import torch
+
+from selfspec import DecodeConfig, SkipPlan, autoregressive, self_speculative
+from selfspec.assets.tiny import tiny_model
+from selfspec.draft.lowbit import _int4_groups, copy_key
+from selfspec.draft.path import DraftOptions, DraftPath
+from selfspec.draft.spec import DraftSpec
+from selfspec.errors import SelfSpecError
+from tests.helpers import PROMPT
+
+
+def _error(w: torch.Tensor, group: int, fit: str) -> torch.Tensor:
+    """Each group's squared error of the fit (before the scale and zero are stored in bf16)."""
+    q, scale, zero = _int4_groups(w, group, fit)
+    n, k = w.shape
+    deq = (q.float().reshape(n, k // group, group) - 8) * scale[..., None] + zero[..., None]
+    return ((deq - w.float().reshape(n, k // group, group)) ** 2).sum(-1)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_the_least_squares_fit_errs_no_more_than_min_max_in_any_group(group):
+    torch.manual_seed(0)
+    w = torch.cat([torch.randn(300, 256), torch.randn(20, 256) ** 3, torch.zeros(4, 256)]).bfloat16()  # odd shapes
+    minmax, lsq = _error(w, group, "minmax"), _error(w, group, "lsq")
+    assert (lsq <= minmax * (1 + 1e-6) + 1e-12).all()
+    assert lsq.sum() < 0.95 * minmax.sum()  # and less over a Gaussian matrix as a whole
+    q, scale, _ = _int4_groups(w, group, "lsq")
+    assert q.dtype == torch.int32 and int(q.min()) >= 0 and int(q.max()) <= 15 and (scale > 0).all()
+    assert torch.equal(_int4_groups(w, group, "lsq")[0], q)  # deterministic
+    assert _int4_groups(w[:, :group], group, "lsq")[0].shape == (w.shape[0], group)
+    with pytest.raises(SelfSpecError, match="fit"):
+        _int4_groups(w, group, "gptq")
+
+
+def test_a_least_squares_draft_beside_a_min_max_one_stays_exact_and_keeps_its_own_copies():
+    model = tiny_model("qwen2", vocab_size=96)
+    plan, prompt = SkipPlan(4, attn=(1,)), PROMPT + PROMPT
+    cfg = DecodeConfig(max_new_tokens=32, k=3, fallback=False)
+    ar = autoregressive(model, prompt, cfg).tokens
+    fits = {fit: DraftOptions(weights="int4", group_size=32, head_weights="int4", int4_fit=fit) for fit in ("minmax", "lsq")}
+    paths = {fit: DraftPath(model, plan, o, stop_ids=(2,)) for fit, o in fits.items()}
+    for fit in ("lsq", "minmax", "lsq"):
+        assert self_speculative(model, prompt, plan, cfg, draft=paths[fit]).tokens == ar
+    lin = paths["lsq"].linears[0]
+    low, fitted = lin.copy("int4", 32), lin.copy("int4", 32, "lsq")
+    assert copy_key("int4", 32, "lsq") in lin.copies and copy_key("int4", 32) in lin.copies
+    assert not torch.equal(low[2], fitted[2])  # other scales, the same layout and bytes
+    assert low[1].shape == fitted[1].shape and paths["lsq"].extra_bytes == paths["minmax"].extra_bytes
+    assert paths["lsq"].head_low is not paths["minmax"].head_low
+    spec = DraftSpec(plan, fits["lsq"], k=3)
+    assert DraftSpec.from_dict(spec.to_dict()).options.int4_fit == "lsq" and "g32 lsq" in spec.describe()
+    assert spec.key != DraftSpec(plan, fits["minmax"], k=3).key
+    assert "int4_fit" not in fits["minmax"].record() and fits["lsq"].record()["int4_fit"] == "lsq"
+    with pytest.raises(SelfSpecError, match="int4_fit"):
+        DraftOptions(weights="int4", int4_fit="best")
