@@ -71,7 +71,8 @@ def forward_key(spec: DraftSpec) -> tuple:
     chunk; they may differ in ``k``, the adaptive exit, copy drafting and the tree options."""
     o = spec.options
     groups = max(o.group_for(o.weights), o.group_for(o.head_weights))
-    return spec.plan.attn, spec.plan.mlp, o.weights, groups, o.head_tokens, o.head_weights
+    key = spec.plan.attn, spec.plan.mlp, o.weights, groups, o.head_tokens, o.head_weights
+    return key + (o.int4_fit,) if o.int4_fit != "minmax" and "int4" in (o.weights, o.head_weights) else key
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import optuna
 
+from selfspec.draft.lowbit import FITS
 from selfspec.draft.path import WEIGHTS, DraftOptions
 from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
@@ -52,6 +53,7 @@ def fitting_groups(dims: DraftDims, width: int) -> DraftDims:
 class DraftDims:
     weights: tuple[str, ...] = ("model", "int8", "int4")
     group_size: tuple[int, ...] = (32, 128)  # int4 groups; 32 lines up with the GGUF blocks of the packaged models
+    int4_fit: tuple[str, ...] = ("minmax",)  # int4 groups' scale and zero: minmax | lsq (selfspec.draft.lowbit)
     head_tokens: tuple[int, ...] = (0, 16384, 32768)
     head_weights: tuple[str, ...] = ("model", "int4")  # the draft head's rows: model | int8 | int4 (int4: group_size)
     k: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
@@ -69,15 +71,15 @@ class DraftDims:
     skipping: tuple[bool, ...] = (True, False)  # False: no sublayer skipped (the draft saves by its options alone)
 
     def __post_init__(self) -> None:
-        for name in ("weights", "group_size", "head_tokens", "head_weights", "k", "adaptive", "threshold", "ngram", "copy_tokens",
-                     "min_ngram", "copy_per_match", "copy_candidates", "branch_below", "tree_nodes", "copy_fallback",
-                     "model_draft", "skipping"):
+        for name in ("weights", "group_size", "int4_fit", "head_tokens", "head_weights", "k", "adaptive", "threshold",
+                     "ngram", "copy_tokens", "min_ngram", "copy_per_match", "copy_candidates", "branch_below", "tree_nodes",
+                     "copy_fallback", "model_draft", "skipping"):
             if not getattr(self, name):
                 raise SelfSpecError(f"search.space.{name} is empty: give at least one value")
-        for name in ("weights", "head_weights"):
-            bad = [w for w in getattr(self, name) if w not in WEIGHTS]
+        for name, known in (("weights", WEIGHTS), ("head_weights", WEIGHTS), ("int4_fit", FITS)):
+            bad = [w for w in getattr(self, name) if w not in known]
             if bad:
-                raise SelfSpecError(f"search.space.{name}: unknown {bad}; choose from {', '.join(WEIGHTS)}")
+                raise SelfSpecError(f"search.space.{name}: unknown {bad}; choose from {', '.join(known)}")
         for name in ("k", "copy_candidates", "tree_nodes"):
             if min(getattr(self, name)) < 1:
                 raise SelfSpecError(f"search.space.{name} values must be >= 1")
@@ -147,19 +149,19 @@ class SearchSpace:
         """What the study pins: a resumed study refuses another space."""
         return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
                 "protect_first_last": self.protect_first_last,
-                # copy_fallback, min_ngram, copy_per_match, head_weights, model_draft and skipping only when
-                # searched, so studies made before them still resume
+                # copy_fallback, min_ngram, copy_per_match, head_weights, model_draft, skipping and int4_fit only
+                # when searched, so studies made before them still resume
                 "dims": {k: list(v) for k, v in asdict(self.dims).items()
                          if (k, v) not in (("copy_fallback", (0,)), ("min_ngram", (0,)), ("copy_per_match", (0,)),
                                            ("head_weights", ("model",)), ("model_draft", (True,)),
-                                           ("skipping", (True,)))}}
+                                           ("skipping", (True,)), ("int4_fit", ("minmax",)))}}
 
     # -- params <-> drafts -------------------------------------------------------------
     def _option_dims(self) -> dict[str, tuple]:
         d = self.dims
         # a draft that skips nothing is outside a budget of min_skipped > 0: not a value to search then
         skipping = tuple(v for v in d.skipping if v or not self.min_skipped) or (True,)
-        return {"weights": d.weights, "group_size": d.group_size, "head_tokens": d.head_tokens,
+        return {"weights": d.weights, "group_size": d.group_size, "int4_fit": d.int4_fit, "head_tokens": d.head_tokens,
                 "head_weights": d.head_weights, "k": d.k,
                 "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens,
                 "min_ngram": d.min_ngram, "copy_per_match": d.copy_per_match, "copy_candidates": d.copy_candidates,
@@ -171,7 +173,7 @@ class SearchSpace:
         params = {**{f"attn_{i}": int(i in spec.plan.attn) for i in self.searchable},
                   **{f"mlp_{i}": int(i in spec.plan.mlp) for i in self.searchable}}
         o = spec.options
-        values = {"weights": o.weights, "group_size": o.group_size, "head_tokens": o.head_tokens,
+        values = {"weights": o.weights, "group_size": o.group_size, "int4_fit": o.int4_fit, "head_tokens": o.head_tokens,
                   "head_weights": o.head_weights, "k": spec.k,
                   "adaptive": spec.adaptive, "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
                   "min_ngram": o.min_ngram, "copy_per_match": o.copy_per_match, "copy_candidates": o.copy_candidates,
@@ -179,14 +181,15 @@ class SearchSpace:
                   "tree_nodes": o.tree_nodes,
                   "copy_fallback": o.copy_fallback, "model_draft": o.model_draft,
                   "skipping": spec.plan.n_skipped > 0}
-        unused = {"group_size": "int4" not in (o.weights, o.head_weights), "threshold": not spec.adaptive,
+        int4 = "int4" in (o.weights, o.head_weights)
+        unused = {"group_size": not int4, "int4_fit": not int4, "threshold": not spec.adaptive,
                   "copy_tokens": not o.ngram, "min_ngram": o.ngram < 2, "copy_per_match": not o.ngram,
                   "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2,
                   "model_draft": not o.ngram}
         if not spec.plan.n_skipped and False not in self._option_dims()["skipping"]:
             unused["skipping"] = True  # the bits, all off, say it: a space that always skips still holds the draft
         if not o.model_draft:  # a copy-only draft has no model draft to shape
-            unused.update(dict.fromkeys(("weights", "group_size", "head_tokens", "head_weights", "adaptive",
+            unused.update(dict.fromkeys(("weights", "group_size", "int4_fit", "head_tokens", "head_weights", "adaptive",
                                          "threshold", "branch_below", "copy_fallback", "skipping"), True))
             unused["k"] = bool(o.copy_tokens)
         for name, choices in self._option_dims().items():
@@ -213,8 +216,9 @@ class SearchSpace:
                      copy_fallback=0)
             if v["copy_tokens"]:  # k only sets the copy length when copy_tokens is 0
                 v["k"] = self.dims.k[0]
+        int4 = "int4" in (v["weights"], v["head_weights"])
         options = DraftOptions(weights=v["weights"], group_size=v["group_size"], head_tokens=v["head_tokens"],
-                               head_weights=v["head_weights"],
+                               head_weights=v["head_weights"], int4_fit=v["int4_fit"] if int4 else "minmax",
                                ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0, min_ngram=min_ngram,
                                copy_per_match=v["copy_per_match"] if v["ngram"] else 0,
                                copy_candidates=v["copy_candidates"] if v["ngram"] else 1,

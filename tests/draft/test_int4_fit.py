@@ -57,3 +57,27 @@ def test_a_least_squares_draft_beside_a_min_max_one_stays_exact_and_keeps_its_ow
     assert "int4_fit" not in fits["minmax"].record() and fits["lsq"].record()["int4_fit"] == "lsq"
     with pytest.raises(SelfSpecError, match="int4_fit"):
         DraftOptions(weights="int4", int4_fit="best")
+
+
+def test_the_search_can_search_the_fit_and_its_simulator_keeps_the_fits_apart():
+    from selfspec.search.rounds import forward_key
+    from selfspec.search.simulate import RoundSimulator
+    from selfspec.search.space import DraftDims, SearchSpace
+
+    space = SearchSpace(4, dims=DraftDims(weights=("model", "int4"), group_size=(32,), int4_fit=("minmax", "lsq")))
+    fitted = DraftSpec(SkipPlan(4, attn=(1,)), DraftOptions(weights="int4", group_size=32, int4_fit="lsq"), k=3)
+    assert space.spec_of(space.params_of(fitted)) == fitted and space.describe()["dims"]["int4_fit"] == ["minmax", "lsq"]
+    assert "int4_fit" not in SearchSpace(4).describe()["dims"]  # studies made before it resume
+    plain = space.spec_of({**space.params_of(fitted), "weights": "model"})
+    assert plain.options.int4_fit == "minmax"  # no int4 copy, nothing to fit: one draft, not two
+    with pytest.raises(SelfSpecError, match="int4_fit"):
+        DraftDims(int4_fit=("minmax", "awq"))
+    even = fitted.replace(options=DraftOptions(weights="int4", group_size=32))
+    assert forward_key(even) != forward_key(fitted)
+    model = tiny_model("qwen2", vocab_size=96)
+    prompts = [PROMPT, PROMPT + PROMPT]
+    conts = [autoregressive(model, p, DecodeConfig(max_new_tokens=20)).tokens for p in prompts]
+    shared = RoundSimulator(model, prompts, conts)
+    shared.simulate(even)
+    assert shared.simulate(fitted) == RoundSimulator(model, prompts, conts).simulate(fitted)
+    assert len(shared.memo) == 2  # a forward of each fit
