@@ -141,6 +141,11 @@ def copy_key(weights: str, group_size: int, fit: str = "minmax") -> tuple:
     return (weights, group_size) if fit == "minmax" or weights != "int4" else (weights, group_size, fit)
 
 
+def _nbytes(copy: tuple[str, torch.Tensor, torch.Tensor]) -> int:
+    """The bytes a copy (kernel, packed weight, scales) holds."""
+    return sum(t.numel() * t.element_size() for t in copy[1:])
+
+
 # names of linears of one module that read the same input, by architecture convention (Llama, Qwen2, Gemma3)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 STACKABLE = ("int8", "int4-vnni")  # kernels whose copies stack along the output rows (torch's int4 layout does not)
@@ -178,7 +183,7 @@ class LowPrecisionLinear(LinearWrapper):
     @property
     def extra_bytes(self) -> int:
         """The copy in use."""
-        return sum(t.numel() * t.element_size() for t in self.copies[self.key][1:])
+        return _nbytes(self.copies[self.key])
 
     def copy(self, weights: str, group_size: int, fit: str = "minmax") -> tuple[str, torch.Tensor, torch.Tensor]:
         """The copy in this format (made by :meth:`configure`): (kernel, packed weight, scales)."""
@@ -186,12 +191,12 @@ class LowPrecisionLinear(LinearWrapper):
 
     def copy_bytes(self, weights: str, group_size: int, fit: str = "minmax") -> int:
         """The copy in this format (made by :meth:`configure`)."""
-        return sum(t.numel() * t.element_size() for t in self.copy(weights, group_size, fit)[1:])
+        return _nbytes(self.copy(weights, group_size, fit))
 
     @property
     def kept_bytes(self) -> int:
         """All copies held, the one in use included."""
-        return sum(t.numel() * t.element_size() for copy in self.copies.values() for t in copy[1:])
+        return sum(_nbytes(copy) for copy in self.copies.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active:

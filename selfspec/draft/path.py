@@ -119,7 +119,7 @@ class DraftOptions:
             raise SelfSpecError("model_draft=false drafts by copying only: it needs copy drafting (ngram >= 1)")
         if self.int4_fit not in FITS:
             raise SelfSpecError(f"int4_fit must be one of {', '.join(FITS)}, got {self.int4_fit!r}")
-        if "int4" in (self.weights, self.head_weights) and self.group_size not in (32, 64, 128, 256):
+        if self.int4 and self.group_size not in (32, 64, 128, 256):
             raise SelfSpecError(f"int4 group_size must be 32, 64, 128 or 256, got {self.group_size}")
 
     def copy_limit(self, k: int) -> int:
@@ -134,6 +134,11 @@ class DraftOptions:
     def group_for(self, fmt: str) -> int:
         """The quantization group of a weight format: ``group_size`` for int4, 0 (per row) for int8 and model."""
         return self.group_size if fmt == "int4" else 0
+
+    @property
+    def int4(self) -> bool:
+        """Whether the draft keeps int4 copies (of its weights or its head): where group_size and int4_fit apply."""
+        return "int4" in (self.weights, self.head_weights)
 
     @property
     def plain(self) -> bool:

@@ -67,7 +67,7 @@ class DraftSpec:
             key += ("copy_only",)
         if o.ngram and o.copy_per_match:
             key += (("copy_per_match", o.copy_per_match),)
-        if o.int4_fit != "minmax" and "int4" in (o.weights, o.head_weights):
+        if o.int4 and o.int4_fit != "minmax":
             key += (("int4_fit", o.int4_fit),)
         return key
 

@@ -72,7 +72,7 @@ def forward_key(spec: DraftSpec) -> tuple:
     o = spec.options
     groups = max(o.group_for(o.weights), o.group_for(o.head_weights))
     key = spec.plan.attn, spec.plan.mlp, o.weights, groups, o.head_tokens, o.head_weights
-    return key + (o.int4_fit,) if o.int4_fit != "minmax" and "int4" in (o.weights, o.head_weights) else key
+    return key + (o.int4_fit,) if o.int4 and o.int4_fit != "minmax" else key
 
 
 @dataclass(frozen=True)

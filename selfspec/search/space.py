@@ -181,8 +181,7 @@ class SearchSpace:
                   "tree_nodes": o.tree_nodes,
                   "copy_fallback": o.copy_fallback, "model_draft": o.model_draft,
                   "skipping": spec.plan.n_skipped > 0}
-        int4 = "int4" in (o.weights, o.head_weights)
-        unused = {"group_size": not int4, "int4_fit": not int4, "threshold": not spec.adaptive,
+        unused = {"group_size": not o.int4, "int4_fit": not o.int4, "threshold": not spec.adaptive,
                   "copy_tokens": not o.ngram, "min_ngram": o.ngram < 2, "copy_per_match": not o.ngram,
                   "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2,
                   "model_draft": not o.ngram}

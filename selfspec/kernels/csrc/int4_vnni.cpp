@@ -34,7 +34,7 @@ inline float quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2]) {
   __m512 top = _mm512_setzero_ps();
   for (int j = 0; j < 4; ++j) {
     v[j] = load_bf16(x + 16 * j);
-    top = _mm512_max_ps(top, _mm512_abs_ps(v[j]));
+    top = vmax(top, vabs(v[j]));
   }
   const float amax = _mm512_reduce_max_ps(top), inv = amax > 0.f ? 127.f / amax : 0.f;
   const __m512 s = _mm512_set1_ps(inv);
@@ -59,12 +59,11 @@ inline int32_t hsum_epi32(__m256i v) {
 
 // The AVX-512 build's quantize_block on 256-bit vectors (the same values).
 inline float quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2]) {
-  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 v[8];
   __m256 top = _mm256_setzero_ps();
   for (int j = 0; j < 8; ++j) {
     v[j] = load_bf16(x + 8 * j);
-    top = _mm256_max_ps(top, _mm256_and_ps(v[j], magnitude));
+    top = vmax(top, vabs(v[j]));
   }
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
