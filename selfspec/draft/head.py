@@ -35,6 +35,7 @@ class CutHead(nn.Module):
         self.ids: torch.Tensor | None = None  # ids scored on bf16 rows (all chosen ids, or those outside the base)
         self.rows: torch.Tensor | None = None
         self.active = False
+        self.rescore = 0  # while active with a quantized base: its top ids scored again on bf16 rows (head_rescore)
         # the quantized base: (kernel, group, base ids, packed weight, scales), and every one made so far
         self.low: tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.copies: dict[tuple, tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -83,12 +84,23 @@ class CutHead(nn.Module):
     def choose(self, ids: torch.Tensor, low: tuple | None = None) -> None:
         self.use(self.choice(ids, low))
 
+    def _rescored(self, x2: torch.Tensor, low: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """``low`` [R, B] (the base ids' quantized logits for rows ``x2``) with each row's ``rescore`` highest
+        replaced by their logits on the model's rows, as ``nn.Linear`` rounds them."""
+        top = low.topk(min(self.rescore, low.shape[-1]), dim=-1).indices
+        rows = self.inner.weight.detach()[base[top] if base.numel() != self.vocab else top]  # [R, rescore, E]
+        exact = torch.matmul(rows, x2.unsqueeze(-1)).squeeze(-1)
+        return low.scatter(-1, top, exact.to(low.dtype))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active or (self.ids is None and self.low is None):
             return self.inner(x)
         if self.low is not None:
             kernel, group, base, qweight, qscale = self.low
-            low = quantized_mm(x.reshape(-1, x.shape[-1]), kernel, group, qweight, qscale)[:, :base.numel()]
+            x2 = x.reshape(-1, x.shape[-1])
+            low = quantized_mm(x2, kernel, group, qweight, qscale)[:, :base.numel()]
+            if self.rescore:
+                low = self._rescored(x2, low, base)
             low = low.reshape(*x.shape[:-1], base.numel())
             if base.numel() == self.vocab:
                 return low

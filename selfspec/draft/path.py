@@ -66,6 +66,9 @@ class DraftOptions:
     group_size: int = 32  # int4 quantization group (along the input dimension)
     head_tokens: int = 0  # 0 = the full LM head while drafting; N = N token ids + prompt + stop tokens
     head_weights: str = "model"  # model | int8 | int4 (group_size): precision of the draft head's rows
+    # R >= 1 with a quantized head: the R ids it scores highest are scored again on the model's bf16 rows (R rows
+    # read a step), so that the draft's choice among its top candidates is the model head's; 0 = off
+    head_rescore: int = 0
     # how int4 groups (weights and head) take their scale and zero: minmax (each group's range in 16 even steps) |
     # lsq (refitted to the weights by least squares: a smaller error, the same bytes and kernel; slower to build)
     int4_fit: str = "minmax"
@@ -101,6 +104,9 @@ class DraftOptions:
             raise SelfSpecError(f"head_weights must be one of {', '.join(WEIGHTS)}, got {self.head_weights!r}")
         if self.head_tokens < 0 or self.ngram < 0 or self.copy_tokens < 0 or self.copy_per_match < 0:
             raise SelfSpecError("head_tokens, ngram, copy_tokens and copy_per_match must be >= 0")
+        if self.head_rescore < 0 or (self.head_rescore and self.head_weights == "model"):
+            raise SelfSpecError(f"head_rescore must be 0, or >= 1 with a quantized head (head_weights int8 or int4): "
+                                f"got {self.head_rescore} with head_weights={self.head_weights}")
         if self.copy_candidates < 1 or self.tree_nodes < 1:
             raise SelfSpecError("copy_candidates and tree_nodes must be >= 1")
         if not 0.0 <= self.branch_below < 1.0:
@@ -152,7 +158,7 @@ class DraftOptions:
     def record(self) -> dict | None:
         """The options as a run records them (None for the plan-only draft).
 
-        ``copy_tokens``, ``min_ngram``, ``copy_per_match``, ``copy_fallback``, ``head_weights``, ``int4_fit``,
+        ``copy_tokens``, ``min_ngram``, ``copy_per_match``, ``copy_fallback``, ``head_weights``, ``head_rescore``, ``int4_fit``,
         ``model_draft``, ``fused``, ``fused_step`` and the tree options appear only when set, so runs recorded before
         they existed still resume.
         """
@@ -161,6 +167,8 @@ class DraftOptions:
         rec = asdict(self)
         if self.head_weights == "model":
             del rec["head_weights"]
+        if not self.head_rescore:
+            del rec["head_rescore"]
         if not self.copy_tokens:
             del rec["copy_tokens"]
         if not self.min_ngram:
@@ -297,7 +305,7 @@ class DraftPath:
                     if self.head_choice is None:  # no request prepared yet: the base ids alone
                         self.choose_head(self.base_ids)
                     self.head.use(self.head_choice)
-                    set_plain(self.head, active=True)
+                    set_plain(self.head, active=True, rescore=self.options.head_rescore)
                 yield
             finally:
                 for lin in self.linears:

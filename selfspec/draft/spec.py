@@ -69,6 +69,8 @@ class DraftSpec:
             key += (("copy_per_match", o.copy_per_match),)
         if o.int4 and o.int4_fit != "minmax":
             key += (("int4_fit", o.int4_fit),)
+        if o.head_rescore:
+            key += (("head_rescore", o.head_rescore),)
         return key
 
     def describe(self) -> str:
@@ -80,7 +82,8 @@ class DraftSpec:
             parts.append(f"{o.weights}" + (f" g{o.group_size}{fit}" if o.weights == "int4" else ""))
         if o.head_tokens or o.head_weights != "model":
             low = "" if o.head_weights == "model" else f" {o.head_weights}" + (
-                f" g{o.group_size}{fit}" if o.head_weights == "int4" else "")
+                f" g{o.group_size}{fit}" if o.head_weights == "int4" else "") + (
+                f" top {o.head_rescore} rescored" if o.head_rescore else "")
             parts.append(f"head {o.head_tokens or 'full'}{low}")
         if o.ngram:
             parts.append(f"{o.ngram}-gram copy" + (f" (down to {o.min_ngram}-gram)" if o.min_ngram else "")

@@ -69,7 +69,8 @@ def formats_of(costs: CostModel) -> list[DraftOptions]:
 
 def head_format(options: DraftOptions) -> str:
     """The cost model's key of a quantized draft head (``head_low``)."""
-    return f"{options.head_tokens}/" + weight_format(replace(options, weights=options.head_weights))
+    key = f"{options.head_tokens}/" + weight_format(replace(options, weights=options.head_weights))
+    return key + f"+r{options.head_rescore}" if options.head_rescore else key
 
 
 @dataclass
@@ -189,8 +190,8 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
         if size:
             heads[f"head{size}"] = DraftPath(model, full, DraftOptions(head_tokens=size), stop_ids=stop_ids)
     heads["head0"] = DraftPath(model, full, DraftOptions(), stop_ids=stop_ids)
-    lows = [DraftOptions(head_tokens=size, head_weights=o.head_weights, group_size=o.group_size)
-            for o in head_formats for size in sorted({0, *head_tokens})]
+    lows = [DraftOptions(head_tokens=size, head_weights=o.head_weights, group_size=o.group_size,
+                         head_rescore=o.head_rescore) for o in head_formats for size in sorted({0, *head_tokens})]
     for opts in lows:
         heads[f"head{head_format(opts)}"] = DraftPath(model, full, opts, stop_ids=stop_ids)
     for name, path in paths.items():
@@ -331,7 +332,8 @@ def costs_for_drafts(lm, context: list[int], drafts: list[DraftSpec]) -> CostMod
     opts = [d.options for d in drafts]
     formats = {weight_format(o): DraftOptions(weights=o.weights, group_size=o.group_size) for o in opts}
     formats.setdefault("model", DraftOptions())
-    heads = [DraftOptions(head_weights=o.head_weights, group_size=o.group_size) for o in opts if o.head_weights != "model"]
+    heads = [DraftOptions(head_weights=o.head_weights, group_size=o.group_size, head_rescore=o.head_rescore)
+             for o in opts if o.head_weights != "model"]
     longest = max(d.options.longest_verify(d.k) for d in drafts)
     return measure_costs(lm.model, context, list(formats.values()), sorted({0, *(o.head_tokens for o in opts)}),
                          longest + 1, stop_ids=lm.eos_ids, machine=machine_fingerprint(), head_formats=heads)

@@ -72,7 +72,8 @@ def forward_key(spec: DraftSpec) -> tuple:
     o = spec.options
     groups = max(o.group_for(o.weights), o.group_for(o.head_weights))
     key = spec.plan.attn, spec.plan.mlp, o.weights, groups, o.head_tokens, o.head_weights
-    return key + (o.int4_fit,) if o.int4 and o.int4_fit != "minmax" else key
+    key += (o.int4_fit,) if o.int4 and o.int4_fit != "minmax" else ()
+    return key + (("rescore", o.head_rescore),) if o.head_rescore else key
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ class DraftDims:
     int4_fit: tuple[str, ...] = ("minmax",)  # int4 groups' scale and zero: minmax | lsq (selfspec.draft.lowbit)
     head_tokens: tuple[int, ...] = (0, 16384, 32768)
     head_weights: tuple[str, ...] = ("model", "int4")  # the draft head's rows: model | int8 | int4 (int4: group_size)
+    head_rescore: tuple[int, ...] = (8,)  # a quantized head's top ids rescored on the model's rows (0 = off)
     k: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
     adaptive: tuple[bool, ...] = (False, True)
     threshold: tuple[float, ...] = (0.2, 0.4, 0.6)
@@ -71,7 +72,8 @@ class DraftDims:
     skipping: tuple[bool, ...] = (True, False)  # False: no sublayer skipped (the draft saves by its options alone)
 
     def __post_init__(self) -> None:
-        for name in ("weights", "group_size", "int4_fit", "head_tokens", "head_weights", "k", "adaptive", "threshold",
+        for name in ("weights", "group_size", "int4_fit", "head_tokens", "head_weights", "head_rescore", "k", "adaptive",
+                     "threshold",
                      "ngram", "copy_tokens", "min_ngram", "copy_per_match", "copy_candidates", "branch_below", "tree_nodes",
                      "copy_fallback", "model_draft", "skipping"):
             if not getattr(self, name):
@@ -83,8 +85,8 @@ class DraftDims:
         for name in ("k", "copy_candidates", "tree_nodes"):
             if min(getattr(self, name)) < 1:
                 raise SelfSpecError(f"search.space.{name} values must be >= 1")
-        if min(self.copy_per_match) < 0:
-            raise SelfSpecError("search.space.copy_per_match values must be >= 0 (0: off)")
+        if min(self.copy_per_match) < 0 or min(self.head_rescore) < 0:
+            raise SelfSpecError("search.space.copy_per_match and head_rescore values must be >= 0 (0: off)")
         if True not in self.model_draft and 0 in self.ngram:
             raise SelfSpecError("search.space.model_draft=[false] searches copy-only drafts, but search.space.ngram "
                                 "holds 0 (no copying), which only a model draft can run: drop 0 from it, "
@@ -108,8 +110,8 @@ class DraftDims:
 
     def head_formats(self) -> list[DraftOptions]:
         """One DraftOptions per quantized draft head format in the space (int4 once per group size)."""
-        return [DraftOptions(head_weights=w, group_size=g) for w in self.head_weights if w != "model"
-                for g in (self.group_size if w == "int4" else (32,))]
+        return [DraftOptions(head_weights=w, group_size=g, head_rescore=r) for w in self.head_weights if w != "model"
+                for g in (self.group_size if w == "int4" else (32,)) for r in self.head_rescore]
 
 
 @dataclass(frozen=True)
@@ -149,12 +151,13 @@ class SearchSpace:
         """What the study pins: a resumed study refuses another space."""
         return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
                 "protect_first_last": self.protect_first_last,
-                # copy_fallback, min_ngram, copy_per_match, head_weights, model_draft, skipping and int4_fit only
-                # when searched, so studies made before them still resume
+                # copy_fallback, min_ngram, copy_per_match, head_weights, model_draft, skipping, int4_fit and
+                # head_rescore only when searched or set, so studies made before them still resume
                 "dims": {k: list(v) for k, v in asdict(self.dims).items()
                          if (k, v) not in (("copy_fallback", (0,)), ("min_ngram", (0,)), ("copy_per_match", (0,)),
                                            ("head_weights", ("model",)), ("model_draft", (True,)),
-                                           ("skipping", (True,)), ("int4_fit", ("minmax",)))}}
+                                           ("skipping", (True,)), ("int4_fit", ("minmax",)),
+                                           ("head_rescore", (0,)))}}
 
     # -- params <-> drafts -------------------------------------------------------------
     def _option_dims(self) -> dict[str, tuple]:
@@ -162,7 +165,7 @@ class SearchSpace:
         # a draft that skips nothing is outside a budget of min_skipped > 0: not a value to search then
         skipping = tuple(v for v in d.skipping if v or not self.min_skipped) or (True,)
         return {"weights": d.weights, "group_size": d.group_size, "int4_fit": d.int4_fit, "head_tokens": d.head_tokens,
-                "head_weights": d.head_weights, "k": d.k,
+                "head_weights": d.head_weights, "head_rescore": d.head_rescore, "k": d.k,
                 "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens,
                 "min_ngram": d.min_ngram, "copy_per_match": d.copy_per_match, "copy_candidates": d.copy_candidates,
                 "branch_below": d.branch_below,
@@ -174,7 +177,7 @@ class SearchSpace:
                   **{f"mlp_{i}": int(i in spec.plan.mlp) for i in self.searchable}}
         o = spec.options
         values = {"weights": o.weights, "group_size": o.group_size, "int4_fit": o.int4_fit, "head_tokens": o.head_tokens,
-                  "head_weights": o.head_weights, "k": spec.k,
+                  "head_weights": o.head_weights, "head_rescore": o.head_rescore, "k": spec.k,
                   "adaptive": spec.adaptive, "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
                   "min_ngram": o.min_ngram, "copy_per_match": o.copy_per_match, "copy_candidates": o.copy_candidates,
                   "branch_below": o.branch_below,
@@ -182,13 +185,15 @@ class SearchSpace:
                   "copy_fallback": o.copy_fallback, "model_draft": o.model_draft,
                   "skipping": spec.plan.n_skipped > 0}
         unused = {"group_size": not o.int4, "int4_fit": not o.int4, "threshold": not spec.adaptive,
+                  "head_rescore": o.head_weights == "model",
                   "copy_tokens": not o.ngram, "min_ngram": o.ngram < 2, "copy_per_match": not o.ngram,
                   "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2,
                   "model_draft": not o.ngram}
         if not spec.plan.n_skipped and False not in self._option_dims()["skipping"]:
             unused["skipping"] = True  # the bits, all off, say it: a space that always skips still holds the draft
         if not o.model_draft:  # a copy-only draft has no model draft to shape
-            unused.update(dict.fromkeys(("weights", "group_size", "int4_fit", "head_tokens", "head_weights", "adaptive",
+            unused.update(dict.fromkeys(("weights", "group_size", "int4_fit", "head_tokens", "head_weights", "head_rescore",
+                                         "adaptive",
                                          "threshold", "branch_below", "copy_fallback", "skipping"), True))
             unused["k"] = bool(o.copy_tokens)
         for name, choices in self._option_dims().items():
@@ -218,6 +223,7 @@ class SearchSpace:
         int4 = "int4" in (v["weights"], v["head_weights"])
         options = DraftOptions(weights=v["weights"], group_size=v["group_size"], head_tokens=v["head_tokens"],
                                head_weights=v["head_weights"], int4_fit=v["int4_fit"] if int4 else "minmax",
+                               head_rescore=v["head_rescore"] if v["head_weights"] != "model" else 0,
                                ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0, min_ngram=min_ngram,
                                copy_per_match=v["copy_per_match"] if v["ngram"] else 0,
                                copy_candidates=v["copy_candidates"] if v["ngram"] else 1,

@@ -20,7 +20,9 @@ def ablation_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
     if o.head_tokens:
         out.append(("without the cut head", spec.replace(options=_options(o, head_tokens=0))))
     if o.head_weights != "model":
-        out.append(("without the quantized head", spec.replace(options=_options(o, head_weights="model"))))
+        out.append(("without the quantized head", spec.replace(options=_options(o, head_weights="model", head_rescore=0))))
+    if o.head_rescore:
+        out.append(("without head rescoring", spec.replace(options=_options(o, head_rescore=0))))
     if not o.model_draft:  # copy only: without copying it would be plain decoding, so add the model draft instead
         out.append(("with model drafts", spec.replace(options=_options(o, model_draft=True))))
     elif o.ngram:

@@ -36,7 +36,8 @@ FORMATS = {"model": SublayerCosts(0.1, 0.1, 0.125), "int8": SublayerCosts(0.1, 0
            "int4-g32": SublayerCosts(0.1, 0.03, 0.035), "int4-g128": SublayerCosts(0.1, 0.028, 0.033)}
 COSTS = CostModel(t_full=1.0, t_verify={m: 1.0 + 0.01 * m for m in range(2, 14)}, num_layers=4, draft=FORMATS,
                   head={16384: 0.05, 32768: 0.03},  # the default space searches int4 heads too
-                  head_low={f"{n}/int4-g{g}": 0.06 + n / 1e6 for n in (0, 16384, 32768) for g in (32, 128)})
+                  head_low={f"{n}/int4-g{g}{r}": 0.06 + n / 1e6 - (0.005 if r else 0) for n in (0, 16384, 32768)
+                            for g in (32, 128) for r in ("", "+r8")})
 
 
 @pytest.fixture(scope="module")
@@ -148,11 +149,15 @@ def test_predicted_time_formula():
 
 
 def test_a_quantized_draft_head_is_priced_by_its_own_measurement():
-    costs = CostModel.from_dict({**COSTS.to_dict(), "head_low": {"16384/int4-g128": 0.07, "0/int8": 0.02}})
+    costs = CostModel.from_dict({**COSTS.to_dict(), "head_low": {"16384/int4-g128": 0.07, "0/int8": 0.02,
+                                                                 "16384/int4-g128+r8": 0.065}})
     cut = DraftSpec(SkipPlan(4), DraftOptions(weights="int4", group_size=128, head_tokens=16384, head_weights="int4"),
                     k=3)
     base = 0.1 + 4 * 0.028 + 4 * 0.033
     assert costs.step_time(cut) == pytest.approx(base - 0.07)  # not the bf16 cut head's 0.05
+    rescored = cut.replace(options=DraftOptions(weights="int4", group_size=128, head_tokens=16384,
+                                                head_weights="int4", head_rescore=8))
+    assert costs.step_time(rescored) == pytest.approx(base - 0.065)  # the head timed with its rescoring
     full = DraftSpec(SkipPlan(4), DraftOptions(weights="int8", head_weights="int8"), k=3)
     assert costs.step_time(full) == pytest.approx(0.1 + 4 * 0.05 + 4 * 0.06 - 0.02)
     assert CostModel.from_dict(costs.to_dict()) == costs
@@ -173,8 +178,10 @@ def test_the_cost_model_measures_quantized_heads_when_the_space_holds_them(tiny)
                                           branch_below=(0.0,)))
     costs = measure_costs(tiny, PROMPTS[0] * 3, space.dims.formats(), [0, 40], space.dims.longest_verify, reps=1,
                           machine=machine_fingerprint(), head_formats=space.dims.head_formats())
-    assert set(costs.head_low) == {"0/int4-g32", "40/int4-g32"} and set(costs.head) == {40}
+    # the space's default rescores a quantized head's top 8 ids (head_rescore): the head is timed with it
+    assert set(costs.head_low) == {"0/int4-g32+r8", "40/int4-g32+r8"} and set(costs.head) == {40}
     assert costs_fit({"costs": costs.to_dict()}, space)
+    assert not costs_fit({"costs": costs.to_dict()}, SearchSpace(4, dims=replace(space.dims, head_rescore=(0,))))
     older = {k: v for k, v in costs.to_dict().items() if k != "head_low"}
     assert not costs_fit({"costs": older}, space)  # a cost model made before: measured again, not guessed
     assert costs_fit({"costs": older}, SearchSpace(4, dims=replace(space.dims, head_weights=("model",))))
@@ -289,8 +296,11 @@ def test_space_round_trip_and_fixed_dimensions():
     assert uncut.key != cut.key  # a different draft, not a twin by construction
     assert space.spec_of({**space.params_of(cut), "ngram": 0}).options.copy_per_match == 0  # no copying, no cut
     heads = SearchSpace(6, dims=DraftDims(weights=("int8",), head_weights=("model", "int4"), group_size=(32, 128)))
-    low = DraftSpec(SkipPlan(6), DraftOptions(weights="int8", head_tokens=16384, head_weights="int4", group_size=128))
+    low = DraftSpec(SkipPlan(6), DraftOptions(weights="int8", head_tokens=16384, head_weights="int4", group_size=128,
+                                              head_rescore=8))
     assert heads.spec_of(heads.params_of(low)) == low
+    with pytest.raises(SelfSpecError, match="head_rescore=0 is outside the space"):  # the space rescores int4 heads
+        heads.params_of(low.replace(options=DraftOptions(weights="int8", head_weights="int4", group_size=128)))
     assert [(o.head_weights, o.group_size) for o in heads.dims.head_formats()] == [("int4", 32), ("int4", 128)]
     wide = SearchSpace(6, dims=DraftDims(ngram=(0, 1, 3), copy_fallback=(0, 1)))
     assert wide.describe()["dims"]["copy_fallback"] == [0, 1]
