@@ -31,6 +31,7 @@ from selfspec.engine.attention import ATTENTION, REAL_ROWS, ROW_INVARIANT, decod
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.sampling import (
     SamplingParams,
+    greedy_ids,
     probs_from_logits,
     sample,
 )
@@ -229,7 +230,7 @@ class Request:
     def pick(self, logits: torch.Tensor) -> int:
         """The target's choice from one row of logits (argmax or a sample of p)."""
         if self.cfg.sampling.greedy:
-            return int(logits.argmax(-1))
+            return int(greedy_ids(logits))
         return int(sample(probs_from_logits(logits, self.cfg.sampling), self.generator))
 
     # -- bookkeeping shared by both methods ------------------------------------------

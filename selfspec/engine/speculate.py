@@ -16,6 +16,7 @@ from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.attention import decode_attention
 from selfspec.engine.decoding import DecodeConfig, Generation, Request, forward_at
 from selfspec.engine.sampling import (
+    greedy_ids,
     probs_from_logits,
     sample,
     verify_greedy,
@@ -112,7 +113,7 @@ class Speculator:
                     if conf < branch:
                         self.alternates.append((j, int(top.indices[1])))
                 elif greedy:
-                    x = int(logits.argmax(-1))
+                    x = int(greedy_ids(logits))
                     conf = float(logits.float().softmax(-1).max()) if self.cfg.adaptive else 1.0
                 else:
                     q = probs_from_logits(logits, self.cfg.sampling)
@@ -182,7 +183,7 @@ class Speculator:
                             position_ids=run.pos + depth,
                             attention_mask=tree_attention_mask(run.model, tree, run.pos, run.device))
         if greedy:
-            path, nxt = tree.accept_greedy(logits.argmax(-1).tolist())
+            path, nxt = tree.accept_greedy(greedy_ids(logits).tolist())
         else:
             path, nxt = tree.accept_sampling(probs_from_logits(logits, self.cfg.sampling), run.generator)
         moved = [(run.pos + node, run.pos + d) for d, node in enumerate(path, 1) if node != d]

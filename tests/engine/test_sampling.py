@@ -14,7 +14,7 @@ import torch
 from selfspec import DecodeConfig, SamplingParams, SkipPlan, self_speculative
 from selfspec.assets.tiny import tiny_model
 from selfspec.draft.path import DraftOptions, DraftPath
-from selfspec.engine.sampling import probs_from_logits, sample, verify_greedy, verify_sampling
+from selfspec.engine.sampling import greedy_ids, probs_from_logits, sample, verify_greedy, verify_sampling
 from selfspec.engine.speculate import Speculator
 from selfspec.engine.tree import DraftTree
 
@@ -43,6 +43,19 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     assert counts[~keep].sum() == 0, "a token with target probability 0 was produced"
     stat = ((counts[keep].double() - expected[keep]) ** 2 / expected[keep]).sum().item()
     return chi2_sf(stat, int(keep.sum()) - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_ids_are_argmax_ties_and_all(dtype):
+    torch.manual_seed(0)
+    logits = torch.randn(7, 5000).to(dtype)
+    logits[1, [17, 40, 4000]] = 9.0  # equal maxima: the first wins, as with argmax
+    logits[2] = logits[2].round()  # many equal values
+    logits[3, 100] = float("inf")
+    logits[4] = float("-inf")
+    logits[4, 4321] = 0.0
+    assert torch.equal(greedy_ids(logits), logits.argmax(-1)) and int(greedy_ids(logits)[1]) == 17
+    assert int(greedy_ids(logits[0])) == int(logits[0].argmax())  # one row
 
 
 def test_chi2_helper_against_known_values():
