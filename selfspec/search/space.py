@@ -109,9 +109,10 @@ class DraftDims:
         return out
 
     def head_formats(self) -> list[DraftOptions]:
-        """One DraftOptions per quantized draft head format in the space (int4 once per group size)."""
+        """One DraftOptions per quantized draft head format in the space (int4 once per group size), each with and
+        without the space's rescoring (the ablation prices a draft without it)."""
         return [DraftOptions(head_weights=w, group_size=g, head_rescore=r) for w in self.head_weights if w != "model"
-                for g in (self.group_size if w == "int4" else (32,)) for r in self.head_rescore]
+                for g in (self.group_size if w == "int4" else (32,)) for r in sorted({0, *self.head_rescore})]
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,10 @@ def test_sampler_bench_appends_one_row(tmp_path):
     assert row["same_sizes"] is True and row["max_kept_mass_gap"] < 1e-5 and row["rows_same_support"] >= row["rows"] - 4
     assert row["ms_per_row"]["ours"] > 0 and row["ratio"] > 0
     assert row["ratio_min_max"][0] <= row["ratio"] <= row["ratio_min_max"][1]
+    greedy = row["greedy"]
+    assert greedy["same_ids"] is True and set(greedy["ms_per_row"]) == {"ours 1 row", "ours 6 rows", "argmax 1 row",
+                                                                        "argmax 6 rows"}
+    assert min(greedy["ms_per_row"].values()) > 0
 
 
 def test_sim_batch_bench_appends_one_row(tmp_path, tiny_study):

@@ -178,10 +178,20 @@ def test_the_cost_model_measures_quantized_heads_when_the_space_holds_them(tiny)
                                           branch_below=(0.0,)))
     costs = measure_costs(tiny, PROMPTS[0] * 3, space.dims.formats(), [0, 40], space.dims.longest_verify, reps=1,
                           machine=machine_fingerprint(), head_formats=space.dims.head_formats())
-    # the space's default rescores a quantized head's top 8 ids (head_rescore): the head is timed with it
-    assert set(costs.head_low) == {"0/int4-g32+r8", "40/int4-g32+r8"} and set(costs.head) == {40}
+    # the space's default rescores a quantized head's top 8 ids (head_rescore): the head is timed with it, and
+    # without it for the ablation
+    assert set(costs.head_low) == {"0/int4-g32", "40/int4-g32", "0/int4-g32+r8", "40/int4-g32+r8"}
+    assert set(costs.head) == {40}
     assert costs_fit({"costs": costs.to_dict()}, space)
-    assert not costs_fit({"costs": costs.to_dict()}, SearchSpace(4, dims=replace(space.dims, head_rescore=(0,))))
+    from selfspec.search.variants import ablation_variants
+
+    for head_tokens in (0, 40):  # the report's ablation prices each lever's absence with this cost model
+        found = space.spec_of({"head_weights": "int4", "head_tokens": head_tokens})
+        assert found.options.head_rescore == 8
+        for _, variant in ablation_variants(found):
+            assert costs.step_time(variant) > 0
+    assert costs_fit({"costs": costs.to_dict()}, SearchSpace(4, dims=replace(space.dims, head_rescore=(0,))))
+    assert not costs_fit({"costs": costs.to_dict()}, SearchSpace(4, dims=replace(space.dims, head_rescore=(4,))))
     older = {k: v for k, v in costs.to_dict().items() if k != "head_low"}
     assert not costs_fit({"costs": older}, space)  # a cost model made before: measured again, not guessed
     assert costs_fit({"costs": older}, SearchSpace(4, dims=replace(space.dims, head_weights=("model",))))
@@ -301,7 +311,8 @@ def test_space_round_trip_and_fixed_dimensions():
     assert heads.spec_of(heads.params_of(low)) == low
     with pytest.raises(SelfSpecError, match="head_rescore=0 is outside the space"):  # the space rescores int4 heads
         heads.params_of(low.replace(options=DraftOptions(weights="int8", head_weights="int4", group_size=128)))
-    assert [(o.head_weights, o.group_size) for o in heads.dims.head_formats()] == [("int4", 32), ("int4", 128)]
+    assert [(o.head_weights, o.group_size, o.head_rescore) for o in heads.dims.head_formats()] == [
+        ("int4", 32, 0), ("int4", 32, 8), ("int4", 128, 0), ("int4", 128, 8)]
     wide = SearchSpace(6, dims=DraftDims(ngram=(0, 1, 3), copy_fallback=(0, 1)))
     assert wide.describe()["dims"]["copy_fallback"] == [0, 1]
     tree = DraftSpec(SkipPlan(6, attn=(2,)), DraftOptions(ngram=3, copy_fallback=1), k=2)
