@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
@@ -112,11 +112,23 @@ def pin_study_attr(study: optuna.Study, name: str, value, message: str) -> None:
         raise SelfSpecError(message.format(recorded=recorded))
 
 
+def in_head_rescoring(space: SearchSpace, spec: DraftSpec) -> DraftSpec:
+    """``spec`` with a quantized head rescored as ``space`` rescores it, where its own rescoring (0 in drafts written
+    before the option) is not one the space holds: a warm start in the same draft otherwise (said on stderr)."""
+    o, held = spec.options, space.dims.head_rescore
+    if o.head_weights == "model" or not o.model_draft or o.head_rescore in held:
+        return spec
+    print(f"[selfspec] warm start {spec.describe()}: head_rescore={o.head_rescore} is not in search.space.head_rescore="
+          f"{list(held)}; it starts with {held[0]}", file=sys.stderr)
+    return spec.replace(options=replace(o, head_rescore=held[0]))
+
+
 def warm_start_params(space: SearchSpace, drafts: list[DraftSpec]) -> list[dict]:
-    """Each known draft as the trial parameters of ``space``; refuses a draft of another depth or outside it."""
+    """Each known draft as the trial parameters of ``space``; refuses a draft of another depth or outside it (a
+    quantized head takes the space's rescoring, :func:`in_head_rescoring`)."""
     for spec in drafts:
         spec.plan.check_model(space.num_layers)
-    return [space.params_of(spec) for spec in drafts]
+    return [space.params_of(in_head_rescoring(space, spec)) for spec in drafts]
 
 
 def enqueue_warm_starts(study: optuna.Study, space: SearchSpace, drafts: list[DraftSpec]) -> int:
