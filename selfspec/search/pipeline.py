@@ -38,6 +38,7 @@ from selfspec.search.study import (
     PredictedObjective,
     enqueue_warm_starts,
     finished,
+    in_head_rescoring,
     open_study,
     pin_study_attr,
     run_search,
@@ -94,7 +95,7 @@ def search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: 
     space.check()
     check_writable(Path(s.plans_dir), "draft files")
     # warm starts are read and checked before the study is opened: a refused one leaves no empty study behind
-    warm = [DraftSpec.load(p) for p in s.warm_start] + (space.anchors() if s.anchors else [])
+    warm = [in_head_rescoring(space, DraftSpec.load(p)) for p in s.warm_start] + (space.anchors() if s.anchors else [])
     warm_start_params(space, warm)
     storage = open_storage(s.storage)
     with worker_slot(storage, s.study_name, s.liveness) as slot:
