@@ -17,7 +17,7 @@ the papers run it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import optuna
 
@@ -72,10 +72,7 @@ class DraftDims:
     skipping: tuple[bool, ...] = (True, False)  # False: no sublayer skipped (the draft saves by its options alone)
 
     def __post_init__(self) -> None:
-        for name in ("weights", "group_size", "int4_fit", "head_tokens", "head_weights", "head_rescore", "k", "adaptive",
-                     "threshold",
-                     "ngram", "copy_tokens", "min_ngram", "copy_per_match", "copy_candidates", "branch_below", "tree_nodes",
-                     "copy_fallback", "model_draft", "skipping"):
+        for name in (f.name for f in fields(self)):
             if not getattr(self, name):
                 raise SelfSpecError(f"search.space.{name} is empty: give at least one value")
         for name, known in (("weights", WEIGHTS), ("head_weights", WEIGHTS), ("int4_fit", FITS)):
@@ -85,8 +82,9 @@ class DraftDims:
         for name in ("k", "copy_candidates", "tree_nodes"):
             if min(getattr(self, name)) < 1:
                 raise SelfSpecError(f"search.space.{name} values must be >= 1")
-        if min(self.copy_per_match) < 0 or min(self.head_rescore) < 0:
-            raise SelfSpecError("search.space.copy_per_match and head_rescore values must be >= 0 (0: off)")
+        for name in ("copy_per_match", "head_rescore"):
+            if min(getattr(self, name)) < 0:
+                raise SelfSpecError(f"search.space.{name} values must be >= 0 (0: off)")
         if True not in self.model_draft and 0 in self.ngram:
             raise SelfSpecError("search.space.model_draft=[false] searches copy-only drafts, but search.space.ngram "
                                 "holds 0 (no copying), which only a model draft can run: drop 0 from it, "
@@ -194,8 +192,7 @@ class SearchSpace:
             unused["skipping"] = True  # the bits, all off, say it: a space that always skips still holds the draft
         if not o.model_draft:  # a copy-only draft has no model draft to shape
             unused.update(dict.fromkeys(("weights", "group_size", "int4_fit", "head_tokens", "head_weights", "head_rescore",
-                                         "adaptive",
-                                         "threshold", "branch_below", "copy_fallback", "skipping"), True))
+                                         "adaptive", "threshold", "branch_below", "copy_fallback", "skipping"), True))
             unused["k"] = bool(o.copy_tokens)
         for name, choices in self._option_dims().items():
             if unused.get(name):  # a value the draft does not use: any of the space's will do

@@ -124,11 +124,11 @@ def in_head_rescoring(space: SearchSpace, spec: DraftSpec) -> DraftSpec:
 
 
 def warm_start_params(space: SearchSpace, drafts: list[DraftSpec]) -> list[dict]:
-    """Each known draft as the trial parameters of ``space``; refuses a draft of another depth or outside it (a
-    quantized head takes the space's rescoring, :func:`in_head_rescoring`)."""
+    """Each known draft as the trial parameters of ``space``; refuses a draft of another depth or outside it (drafts
+    read from files take the space's head rescoring first, :func:`in_head_rescoring`)."""
     for spec in drafts:
         spec.plan.check_model(space.num_layers)
-    return [space.params_of(in_head_rescoring(space, spec)) for spec in drafts]
+    return [space.params_of(spec) for spec in drafts]
 
 
 def enqueue_warm_starts(study: optuna.Study, space: SearchSpace, drafts: list[DraftSpec]) -> int:

@@ -403,18 +403,20 @@ def test_enqueued_drafts_run_first(tmp_path, simulator):
 
 
 def test_a_warm_start_written_before_head_rescoring_takes_the_spaces(capsys):
-    from selfspec.search.study import warm_start_params
+    from selfspec.search.study import in_head_rescoring, warm_start_params
 
     space = SearchSpace(4, dims=DraftDims(weights=("int4",), group_size=(32,), head_weights=("model", "int4")))
     older = DraftSpec(SkipPlan(4), DraftOptions(weights="int4", group_size=32, head_weights="int4", ngram=2), k=3)
-    (params,) = warm_start_params(space, [older])
+    with pytest.raises(SelfSpecError, match="head_rescore=0 is outside the space"):  # as it is: refused
+        warm_start_params(space, [older])
+    (params,) = warm_start_params(space, [in_head_rescoring(space, older)])  # as the search reads it
     assert space.spec_of(params) == older.replace(options=DraftOptions(weights="int4", group_size=32,
                                                                        head_weights="int4", ngram=2, head_rescore=8))
     assert "head_rescore=0 is not in search.space.head_rescore=[8]; it starts with 8" in capsys.readouterr().err
     plain = DraftSpec(SkipPlan(4), DraftOptions(weights="int4", group_size=32), k=3)  # the model's head: as it is
-    assert space.spec_of(warm_start_params(space, [plain])[0]) == plain and not capsys.readouterr().err
+    assert in_head_rescoring(space, plain) == plain and not capsys.readouterr().err
     both = SearchSpace(4, dims=replace(space.dims, head_rescore=(0, 8)))
-    assert both.spec_of(warm_start_params(both, [older])[0]) == older  # a space that holds 0 keeps it
+    assert in_head_rescoring(both, older) == older  # a space that holds 0 keeps it
 
 
 def test_anchors_are_generic_drafts_the_space_holds(tmp_path, simulator):
