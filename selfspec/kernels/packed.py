@@ -27,8 +27,9 @@ would make every verify pass as dear as several plain steps. There
 (:func:`pack_format` ``fp16``) each bf16 weight gets an fp16 copy, used for every input:
 the packed products read fp16 weights, accumulate in fp32 and are rounded back to
 bf16. Our kernel computes them where it builds (:mod:`selfspec.kernels.fp16`: the copy in
-panels of 16 outputs, read once for all rows of a forward, so a 6-row verify of the 1.5B
-costs 1.05 one-row forwards); else fbgemm's (``torch.ops.quantized.linear_prepack_fp16``),
+panels of 16 outputs, read once for all rows of a forward: a verify of up to 3 rows of the
+1.5B costs one one-row forward, of 6 rows 1.49 on a Zen 3, docs/kernels.md); else fbgemm's
+(``torch.ops.quantized.linear_prepack_fp16``),
 which reads the weights again for every 6 rows (1.26 at 6 rows, 1.80 at 8:
 :func:`fp16_kernel` says which, docs/log.md). The copy is taken only where it holds the bf16 values exactly (a bf16 value
 below 2**-17 in magnitude may not fit fp16's subnormals; Qwen2.5-Coder-1.5B has
