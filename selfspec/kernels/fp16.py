@@ -6,7 +6,9 @@ and reads every weight again for each further 6, so on a 2-core Zen 3 a 1.5B for
 single row, and over 6 rows 1.45x (``scripts/verify_width.py``, docs/log.md). This kernel keeps the same fp16
 copies in panels of 16 outputs and reads each panel once for all rows of a call: a verify over 2-16 rows reads the
 weights about as fast as a plain step over one. The sums run in fp32 as fbgemm's do, in another order: the same
-numbers up to rounding.
+numbers up to rounding. A weight that fp16 does not hold exactly (a bf16 value below fp16's subnormals) keeps its
+bf16 values in the same panels (:func:`pack` with ``dtype=torch.bfloat16``), which the kernel widens by a shift: the
+same fp32 weights and sums as an fp16 panel of the same values, so every row stays row-invariant.
 
 It is compiled on first use like the int4 kernel (:func:`selfspec.kernels.vnni.compile_extension`, ~55 s on a
 2-core Zen 3) and needs AVX2, FMA and F16C. :func:`available` says whether it runs here;
@@ -26,7 +28,8 @@ from selfspec.kernels import vnni
 
 SOURCE = Path(__file__).parent / "csrc" / "fp16_panels.cpp"
 FLAGS = ("fma", "avx2", "f16c")
-REVISION = 2  # a change that moves its speed is a new revision: cost models timed on another re-measure
+REVISION = 3  # a change that moves its speed is a new revision: cost models timed on another re-measure (r3: bf16
+# panels for weights fp16 does not hold, which ran on oneDNN's fp32 kernel before)
 PANEL = 16  # outputs per panel
 ENV = "SELFSPEC_FP16_KERNEL"  # fbgemm: never use this kernel
 
@@ -65,17 +68,20 @@ def build():
 _KERNEL = vnni.LazyKernel(_load_once)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The panels ``[ceil(N/16), K, 16]`` fp16 of a weight ``[N, K]`` (exact where the weight's values fit fp16)."""
+def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The panels ``[ceil(N/16), K, 16]`` of a weight ``[N, K]`` in ``dtype``: fp16 (exact where the weight's values
+    fit fp16) or bf16 (exact for a bf16 weight)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"fp16 panels hold fp16 or bf16 weights, not {dtype}")
     n, k = weight.shape
     panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=torch.float16)
+    padded = torch.zeros(panels * PANEL, k, dtype=dtype)
     padded[:n] = weight
     return padded.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
 def unpack(panels: torch.Tensor, n: int) -> torch.Tensor:
-    """The weight ``[n, K]`` (fp16) that :func:`pack` laid out."""
+    """The weight ``[n, K]`` (in the panels' dtype) that :func:`pack` laid out."""
     p, k, _ = panels.shape
     return panels.transpose(1, 2).reshape(p * PANEL, k)[:n]
 

@@ -33,12 +33,12 @@ panels of 16 outputs, read once for all rows of a forward: a verify of up to 3 r
 which reads the weights again for every 6 rows (1.26 at 6 rows, 1.80 at 8:
 :func:`fp16_kernel` says which, docs/log.md). The copy is taken only where it holds the bf16 values exactly (a bf16 value
 below 2**-17 in magnitude may not fit fp16's subnormals; Qwen2.5-Coder-1.5B has
-none); a weight that does not fit gets an fp32 copy for oneDNN's fp32 kernel
-instead. The results are the same numbers as the stock kernel's up to the order
-of the sums. On a 2-core Zen 3 one 1536x8960 product at one row went from 1.59 ms
-(stock bf16) to 0.66 ms, and at 6 rows from 9.6 to 1.5 ms (docs/log.md). The
-copies take the bf16 weights' memory again. Without fbgemm (``fp32``) every weight
-gets the fp32 copy, used for inputs of :data:`FP32_MIN_ROWS` rows or more (fewer
+none); a weight that does not fit keeps its bf16 values in our kernel's panels (the same sums, so
+verifies stay row-invariant), or gets an fp32 copy for oneDNN's fp32 kernel under fbgemm.
+The results are the same numbers as the stock kernel's up to the order of the sums. On a
+2-core Zen 3 one 1536x8960 product at one row went from 1.59 ms (stock bf16) to 0.66 ms,
+and at 6 rows from 9.6 to 1.5 ms (docs/log.md). The copies take the bf16 weights' memory
+again. Without fbgemm (``fp32``) every weight gets the fp32 copy, used for inputs of :data:`FP32_MIN_ROWS` rows or more (fewer
 keep the stock bf16 kernel, faster there), at twice the bf16 weights' memory.
 Each method records which kernels it ran on (``kernels``), and a line on stderr
 says so once.
@@ -185,8 +185,9 @@ class PackedLinear(LinearWrapper):
     """An ``nn.Linear`` that also keeps its weight prepacked, used while ``active``.
 
     ``kind``: ``bf16`` (oneDNN's layout), ``fp16`` (an exact fp16 copy, in our kernel's panels where ``panels``,
-    else prepacked for fbgemm) or ``fp32`` (an fp32 copy for oneDNN), as :func:`pack_format` says, ``fp32`` for a
-    weight that fp16 does not hold exactly.
+    else prepacked for fbgemm) or ``fp32`` (an fp32 copy for oneDNN), as :func:`pack_format` says. A weight that fp16
+    does not hold exactly is ``bf16 panels`` where our kernel runs (its bf16 values in the same panels: the same
+    row-invariant sums, selfspec.kernels.fp16), else ``fp32``.
     Without its dense weight (:meth:`drop_dense`) it always computes on the packed one.
     """
 
@@ -195,11 +196,11 @@ class PackedLinear(LinearWrapper):
         w = inner.weight.detach()
         self.kind = pack_format()
         wide = w.float() if self.kind in ("fp16", "fp32") else None  # converted once: the 1.5B's head is 0.9 GB in fp32
-        if self.kind == "fp16" and not torch.equal(w.half().float(), wide):
-            self.kind = "fp32"
         self.panels = self.kind == "fp16" and fp16_kernel() != "fbgemm"  # our kernel's layout (selfspec.kernels.fp16)
+        if self.kind == "fp16" and not torch.equal(w.half().float(), wide):
+            self.kind = "bf16 panels" if self.panels else "fp32"
         if self.panels:
-            self.packed = fp16.pack(w)
+            self.packed = fp16.pack(w, torch.bfloat16 if self.kind == "bf16 panels" else torch.float16)
             self.bias32 = None if inner.bias is None else inner.bias.detach().float().contiguous()
         elif self.kind == "fp16":  # fbgemm keeps the bias in the packed object
             bias = inner.bias

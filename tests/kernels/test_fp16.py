@@ -1,5 +1,5 @@
 """Our fp16 panel kernel (selfspec.kernels.fp16): the layout round trip, products against fp64 over the row counts and
-shapes its blocks split differently, and greedy decoding on it equal to the stock kernel's."""
+shapes its blocks split differently, bf16 panels for weights fp16 does not hold, and row-invariance."""
 
 from __future__ import annotations
 
@@ -53,3 +53,46 @@ def test_shapes_that_do_not_fit_are_refused():
         fp16.linear(torch.randn(2, 32), w, None, 40)
     with pytest.raises(RuntimeError, match="bias"):
         fp16.linear(torch.randn(2, 32), w, torch.randn(19), 20)
+
+
+def _bf16_only(n: int, k: int, seed: int) -> torch.Tensor:
+    """A bf16 weight with values fp16 does not hold (below its subnormals' exact range) among ordinary ones."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    w[:, ::7] = (torch.randn(n, len(range(0, k, 7)), generator=g) * 2.0 ** -20).to(torch.bfloat16)
+    assert not torch.equal(w.half().float(), w.float())
+    return w
+
+
+def test_bf16_panels_hold_any_bf16_weight_and_other_dtypes_are_refused():
+    w = _bf16_only(40, 300, 0)
+    panels = fp16.pack(w, torch.bfloat16)
+    assert panels.shape == (3, 300, 16) and panels.dtype == torch.bfloat16
+    assert torch.equal(fp16.unpack(panels, 40), w)
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        fp16.pack(w, torch.float32)
+
+
+@pytest.mark.parametrize("n, k", [(40, 300), (256, 1536), (33, 517)])
+def test_bf16_panels_compute_what_fp16_panels_compute(n, k):
+    """The kernel widens either to the same fp32 weights and sums them in the same order: the same bits."""
+    w = _fp16_exact(n, k, 3)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    b = torch.randn(n)
+    assert torch.equal(fp16.linear(x, fp16.pack(w, torch.bfloat16), b, n), fp16.linear(x, fp16.pack(w), b, n))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(40, 300), (256, 1536)])
+def test_every_row_computes_the_same_bits_whatever_the_call_s_row_count(dtype, n, k):
+    """Row-invariance, which exact greedy verifies rest on: row i of an m-row call equals a one-row call on it."""
+    w = _fp16_exact(n, k, 5) if dtype == torch.float16 else _bf16_only(n, k, 5)
+    panels = fp16.pack(w, dtype)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    ones = [fp16.linear(x[i:i + 1], panels, None, n) for i in range(16)]
+    for rows in range(1, 17):
+        got = fp16.linear(x[:rows], panels, None, n)
+        assert all(torch.equal(got[i:i + 1], ones[i]) for i in range(rows)), rows
+    want = (x.double() @ w.double().T).float()
+    got = fp16.linear(x, panels, None, n).float()
+    assert torch.all((got - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * k ** 0.5)

@@ -284,11 +284,14 @@ def test_where_bf16_cannot_be_packed_but_fbgemm_runs_every_forward_uses_exact_fp
     dense = _dense_weights(model)
     packer = weight_packer(model)
     assert "fp16 copies" in capsys.readouterr().err
-    assert model.model.layers[0].mlp.down_proj.kind == "fp32"  # the weight that does not fit
-    assert all(lin.panels == (kernel == "panels" and lin.kind == "fp16") for lin in packer.linears)
+    other = "fp32" if kernel == "fbgemm" else "bf16 panels"  # where a weight does not fit fp16
+    assert model.model.layers[0].mlp.down_proj.kind == other  # the weight that does not fit
+    assert all(lin.panels == (kernel == "panels") for lin in packer.linears)  # our kernel takes every weight
     for lin in packer.linears:  # fp16 exactly where it holds the weight (a random init may have other tiny values)
         w = lin.inner.weight.float()
-        assert lin.kind == ("fp16" if torch.equal(w.half().float(), w) else "fp32")
+        assert lin.kind == ("fp16" if torch.equal(w.half().float(), w) else other)
+        if lin.panels:
+            assert lin.packed.dtype == (torch.float16 if lin.kind == "fp16" else torch.bfloat16)
     assert sum(lin.kind == "fp16" for lin in packer.linears) > len(packer.linears) // 2
     assert packer.extra_bytes == sum(  # our panels pad the outputs to a multiple of 16
         (-(-lin.out_features // 16) * 16 if lin.panels else lin.out_features) * lin.in_features

@@ -2,7 +2,8 @@
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] + bias[n] for x [M, K] (bf16 or fp32) and the exact fp16 copy of a bf16 weight,
 // laid out in panels of 16 outputs: w [P, K, 16] fp16, P = ceil(N / 16), panel p holding outputs 16p..16p+15 for each
-// input k (zeros past N). The products run in fp32 on AVX2 + FMA + F16C: each 16-output panel is read once per call
+// input k (zeros past N). A weight that fp16 does not hold exactly keeps its bf16 values in the same panels (w bf16),
+// widened to fp32 by a shift: the same fp32 weights, so the same products in the same order. The products run in fp32 on AVX2 + FMA + F16C: each 16-output panel is read once per call
 // for all M rows (blocks of 3 rows x 16 outputs in twelve ymm accumulators, the panel's blocks of 256 inputs kept in
 // L1 across the row blocks), so a forward over 2-16 rows reads the weights about as fast as over one. fbgemm's fp16
 // kernel, which this replaces on such CPUs, handles 6 rows at a time and reads every weight again for each further 6
@@ -29,7 +30,15 @@ constexpr int PF_AHEAD = 4096;     // software prefetch distance in a panel (byt
 // of MR x 2 accumulators over consecutive inputs (chains for the FMA's latency), the same U for every MR. The
 // accumulators start from c (load_c) instead of being added to it at the end: a branch there made GCC keep them on
 // the stack (half the speed). PF: prefetch the panel ahead (the first row block of a panel's pass only).
-template <int MR, bool PF>
+// 8 weights of a panel row as fp32: fp16 (F16C) or bf16 (a shift of 16 bits), exact either way
+template <bool BF16>
+inline __m256 widen(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  else return _mm256_cvtph_ps(h);
+}
+
+template <int MR, bool PF, bool BF16>
 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, float* c, bool load_c) {
   constexpr int U = 2;  // the same for every MR: a row's sum order never depends on the rows beside it
   __m256 acc[U][MR][2];
@@ -48,8 +57,7 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, fl
     }
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
-      const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + u) * 16)));
-      const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + u) * 16 + 8)));
+      const __m256 w0 = widen<BF16>(w + (k + u) * 16), w1 = widen<BF16>(w + (k + u) * 16 + 8);
 #pragma GCC unroll 6
       for (int m = 0; m < MR; ++m) {
         const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k + u);
@@ -59,8 +67,7 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, fl
     }
   }
   for (; k < kc; ++k) {
-    const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 16)));
-    const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 16 + 8)));
+    const __m256 w0 = widen<BF16>(w + k * 16), w1 = widen<BF16>(w + k * 16 + 8);
 #pragma GCC unroll 6
     for (int m = 0; m < MR; ++m) {
       const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
@@ -90,11 +97,12 @@ inline void with_rows(int64_t mr, F&& f) {
   }
 }
 
-// x [M, K] bf16 or fp32, w [P, K, 16] fp16 panels, bias fp32 [n_out] or none -> [M, n_out] in x's dtype. The
-// threads split the panels; each computes a panel's M x 16 outputs in fp32 (a tile) and rounds them once.
+// x [M, K] bf16 or fp32, w [P, K, 16] fp16 (or bf16) panels, bias fp32 [n_out] or none -> [M, n_out] in x's dtype.
+// The threads split the panels; each computes a panel's M x 16 outputs in fp32 (a tile) and rounds them once.
 at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n_out) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kHalf && w.is_contiguous(),
-              "fp16_mm: x [M, K] and w [P, K, 16] fp16, contiguous");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == 16 && w.is_contiguous() &&
+              (w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16),
+              "fp16_mm: x [M, K] and w [P, K, 16] fp16 or bf16, contiguous");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                                     bias->numel() == n_out), "fp16_mm: bias fp32 [n_out]");
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
@@ -102,7 +110,8 @@ at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional
   TORCH_CHECK(w.size(1) == K && n_out <= P * 16 && n_out > (P - 1) * 16, "fp16_mm: w's shape does not fit x and n_out");
   at::Tensor out = at::empty({M, n_out}, x.options());
   const float* xp = x32.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const bool wide_bf16 = w.scalar_type() == at::kBFloat16;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "fp16_mm: x bf16 or fp32");
@@ -117,8 +126,17 @@ at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional
         for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
           with_rows(std::min<int64_t>(MR_MAX, M - m0), [&](auto mr) {
             constexpr int R = decltype(mr)::value;
-            if (m0 == 0) micro<R, true>(xp + m0 * K + k0, K, wpan + k0 * 16, kc, tile.data() + m0 * 16, k0 > 0);
-            else micro<R, false>(xp + m0 * K + k0, K, wpan + k0 * 16, kc, tile.data() + m0 * 16, k0 > 0);
+            const float* xr = xp + m0 * K + k0;
+            const uint16_t* wr = wpan + k0 * 16;
+            float* cr = tile.data() + m0 * 16;
+            if (wide_bf16) {
+              if (m0 == 0) micro<R, true, true>(xr, K, wr, kc, cr, k0 > 0);
+              else micro<R, false, true>(xr, K, wr, kc, cr, k0 > 0);
+            } else if (m0 == 0) {
+              micro<R, true, false>(xr, K, wr, kc, cr, k0 > 0);
+            } else {
+              micro<R, false, false>(xr, K, wr, kc, cr, k0 > 0);
+            }
           });
         }
       }
