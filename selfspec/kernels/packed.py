@@ -19,29 +19,23 @@ transformers baselines in the same process run the stock model). The copies
 are extra memory (:attr:`WeightPacker.extra_bytes`); only bf16 weights on CPU
 are packed, everything else runs as loaded.
 
-oneDNN prepacks bf16 only on CPUs with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT
-(:func:`packing_supported`). On others (an AVX2-only CPU, e.g. a Zen 3 EPYC) the
-stock bf16 kernel is slow for one row and costs about as much per extra row as
-for the first (a 6-row forward of the 1.5B ran 4.8x a one-row step there), which
-would make every verify pass as dear as several plain steps. There
-(:func:`pack_format` ``fp16``) each bf16 weight gets an fp16 copy, used for every input:
-the packed products read fp16 weights, accumulate in fp32 and are rounded back to
-bf16. Our kernel computes them where it builds (:mod:`selfspec.kernels.fp16`: the copy in
-panels of 16 outputs, read once for all rows of a forward: a verify of up to 3 rows of the
-1.5B costs one one-row forward, of 6 rows 1.49 on a Zen 3, docs/kernels.md); else fbgemm's
-(``torch.ops.quantized.linear_prepack_fp16``),
-which reads the weights again for every 6 rows (1.26 at 6 rows, 1.80 at 8:
-:func:`fp16_kernel` says which, docs/log.md). The copy is taken only where it holds the bf16 values exactly (a bf16 value
-below 2**-17 in magnitude may not fit fp16's subnormals; Qwen2.5-Coder-1.5B has
-none); a weight that does not fit keeps its bf16 values in our kernel's panels (the same sums, so
-verifies stay row-invariant), or gets an fp32 copy for oneDNN's fp32 kernel under fbgemm.
-The results are the same numbers as the stock kernel's up to the order of the sums. On a
-2-core Zen 3 one 1536x8960 product at one row went from 1.59 ms (stock bf16) to 0.66 ms,
-and at 6 rows from 9.6 to 1.5 ms (docs/log.md). The copies take the bf16 weights' memory
-again. Without fbgemm (``fp32``) every weight gets the fp32 copy, used for inputs of :data:`FP32_MIN_ROWS` rows or more (fewer
-keep the stock bf16 kernel, faster there), at twice the bf16 weights' memory.
-Each method records which kernels it ran on (``kernels``), and a line on stderr
-says so once.
+oneDNN prepacks bf16 only on CPUs with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT (:func:`packing_supported`). On others
+(an AVX2-only CPU, e.g. a Zen 3 EPYC) the stock bf16 kernel is slow for one row and costs about as much per extra
+row as for the first (a 6-row forward of the 1.5B ran 4.8x a one-row step there), which would make every verify pass
+as dear as several plain steps. There (:func:`pack_format` ``fp16``) each bf16 weight gets an fp16 copy, used for
+every input: the packed products read fp16 weights, accumulate in fp32 and are rounded back to bf16. Our kernel
+computes them where it builds (:mod:`selfspec.kernels.fp16`: the copy in panels of 16 outputs, read once for all
+rows of a forward: a verify of up to 3 rows of the 1.5B costs one one-row forward, of 6 rows 1.49 on a Zen 3,
+docs/kernels.md); else fbgemm's (``torch.ops.quantized.linear_prepack_fp16``), which reads the weights again for
+every 6 rows (1.26 at 6 rows, 1.80 at 8: :func:`fp16_kernel` says which, docs/log.md). The copy is taken only where
+it holds the bf16 values exactly (a bf16 value below 2**-17 in magnitude may not fit fp16's subnormals;
+Qwen2.5-Coder-1.5B has none); a weight that does not fit keeps its bf16 values in our kernel's panels (the same
+sums, so verifies stay row-invariant), or gets an fp32 copy for oneDNN's fp32 kernel under fbgemm. The results are
+the same numbers as the stock kernel's up to the order of the sums. On a 2-core Zen 3 one 1536x8960 product at one
+row went from 1.59 ms (stock bf16) to 0.66 ms, and at 6 rows from 9.6 to 1.5 ms (docs/log.md). The copies take the
+bf16 weights' memory again. Without fbgemm (``fp32``) every weight gets the fp32 copy, used for inputs of
+:data:`FP32_MIN_ROWS` rows or more (fewer keep the stock bf16 kernel, faster there), at twice the bf16 weights'
+memory. Each method records which kernels it ran on (``kernels``), and a line on stderr says so once.
 
 ``keep_dense=False`` frees the dense weights once packed; only the packed
 copies of weights that must stay dense are then extra: a weight shared with

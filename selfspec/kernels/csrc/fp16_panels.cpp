@@ -3,12 +3,12 @@
 // y[m, n] = sum_k x[m, k] * w[n, k] + bias[n] for x [M, K] (bf16 or fp32) and the exact fp16 copy of a bf16 weight,
 // laid out in panels of 16 outputs: w [P, K, 16] fp16, P = ceil(N / 16), panel p holding outputs 16p..16p+15 for each
 // input k (zeros past N). A weight that fp16 does not hold exactly keeps its bf16 values in the same panels (w bf16),
-// widened to fp32 by a shift: the same fp32 weights, so the same products in the same order. The products run in fp32 on AVX2 + FMA + F16C: each 16-output panel is read once per call
-// for all M rows (blocks of 3 rows x 16 outputs in twelve ymm accumulators, the panel's blocks of 256 inputs kept in
-// L1 across the row blocks), so a forward over 2-16 rows reads the weights about as fast as over one. fbgemm's fp16
-// kernel, which this replaces on such CPUs, handles 6 rows at a time and reads every weight again for each further 6
-// (docs/log.md). The sums run in fp32 in another order than fbgemm's: the same numbers up
-// to rounding, rounded once to the output's dtype.
+// widened to fp32 by a shift: the same fp32 weights, so the same products in the same order. The products run in
+// fp32 on AVX2 + FMA + F16C: each 16-output panel is read once per call for all M rows (blocks of 3 rows x 16 outputs
+// in twelve ymm accumulators, the panel's blocks of 256 inputs kept in L1 across the row blocks), so a forward over
+// 2-3 rows reads the weights about as fast as over one. fbgemm's fp16 kernel, which this replaces on such CPUs,
+// handles 6 rows at a time and reads every weight again for each further 6 (docs/log.md). The sums run in fp32 in
+// another order than fbgemm's: the same numbers up to rounding, rounded once to the output's dtype.
 //
 // Row-invariant: every row's sum runs in the same order whatever the call's row count or the row's place in it (two
 // interleaved partial sums over each block of 256 inputs, added, then added to the blocks before), so a row computes
@@ -26,10 +26,6 @@ namespace {
 constexpr int64_t KC = 256;        // inputs per block: a panel's block (8 KiB) stays in L1 across the row blocks
 constexpr int PF_AHEAD = 4096;     // software prefetch distance in a panel (bytes; 2048 read a little slower)
 
-// c[m, 0:16] (+)= sum over kc inputs of x[m, k] * w[k, 0:16] for MR <= 3 rows, in registers: U = 2 independent sets
-// of MR x 2 accumulators over consecutive inputs (chains for the FMA's latency), the same U for every MR. The
-// accumulators start from c (load_c) instead of being added to it at the end: a branch there made GCC keep them on
-// the stack (half the speed). PF: prefetch the panel ahead (the first row block of a panel's pass only).
 // 8 weights of a panel row as fp32: fp16 (F16C) or bf16 (a shift of 16 bits), exact either way
 template <bool BF16>
 inline __m256 widen(const uint16_t* p) {
@@ -38,6 +34,11 @@ inline __m256 widen(const uint16_t* p) {
   else return _mm256_cvtph_ps(h);
 }
 
+// c[m, 0:16] (+)= sum over kc inputs of x[m, k] * w[k, 0:16] for MR <= 3 rows, in registers: U = 2 independent sets
+// of MR x 2 accumulators over consecutive inputs (chains for the FMA's latency), the same U for every MR. The
+// accumulators start from c (load_c) instead of being added to it at the end: a branch there made GCC keep them on
+// the stack (half the speed). PF: prefetch the panel ahead (the first row block of a panel's pass only). BF16: the
+// panel holds bf16 weights (else fp16).
 template <int MR, bool PF, bool BF16>
 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, float* c, bool load_c) {
   constexpr int U = 2;  // the same for every MR: a row's sum order never depends on the rows beside it
@@ -126,17 +127,14 @@ at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional
         for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
           with_rows(std::min<int64_t>(MR_MAX, M - m0), [&](auto mr) {
             constexpr int R = decltype(mr)::value;
-            const float* xr = xp + m0 * K + k0;
-            const uint16_t* wr = wpan + k0 * 16;
-            float* cr = tile.data() + m0 * 16;
-            if (wide_bf16) {
-              if (m0 == 0) micro<R, true, true>(xr, K, wr, kc, cr, k0 > 0);
-              else micro<R, false, true>(xr, K, wr, kc, cr, k0 > 0);
-            } else if (m0 == 0) {
-              micro<R, true, false>(xr, K, wr, kc, cr, k0 > 0);
-            } else {
-              micro<R, false, false>(xr, K, wr, kc, cr, k0 > 0);
-            }
+            const auto block = [&](auto bf16_panel) {  // the panel's weight type as a compile-time constant
+              constexpr bool B = decltype(bf16_panel)::value;
+              const float* xr = xp + m0 * K + k0;
+              if (m0 == 0) micro<R, true, B>(xr, K, wpan + k0 * 16, kc, tile.data() + m0 * 16, k0 > 0);
+              else micro<R, false, B>(xr, K, wpan + k0 * 16, kc, tile.data() + m0 * 16, k0 > 0);
+            };
+            if (wide_bf16) block(std::true_type{});
+            else block(std::false_type{});
           });
         }
       }
