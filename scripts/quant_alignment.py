@@ -1,38 +1,44 @@
-"""Does the draft's quantization line up with the packaged checkpoint's 4-bit grid? Acceptance and error per format.
+"""Does the draft's quantization line up with the packaged checkpoint's 4-bit grid? Acceptance, speed and error per fit.
 
-    python scripts/quant_alignment.py results/plans/qwen2.5-coder-1.5b-default.json \
-        results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v8.db
+    python scripts/quant_alignment.py results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v8.db \
+        --draft results/plans/qwen2.5-coder-1.5b-default.json [--tokens 64] [--out results/quant_alignment.jsonl]
 
-The packaged checkpoints are 4-bit GGUF files (Q4_K_M: blocks of 32) dequantized to bf16, so an
-int4 draft whose groups are 32 wide rebuilds weights that already lie on a 4-bit grid; groups of
-128 do not line up, and tell what a true bf16 checkpoint would give. For the searched draft with
-its kept weights as bf16 (model), int8, int4 g32 and int4 g128: the simulated acceptance and
-tokens per round on the search's calibration prompts and continuations (stored beside its study),
-and the relative output error of the quantized kernels on random inputs for the linears of a few
-layers. Appends one JSON line to --out.
+The packaged checkpoints are 4-bit GGUF files dequantized to bf16 (Qwen2.5-Coder: Q4_K_M, whose Q4_K tensors hold
+16 even levels in every block of 32 inputs and whose Q6_K tensors hold 64), so an int4 copy in groups of 32 can
+give most of their weights back as they were, if each group takes the checkpoint's own levels (``int4_fit:
+grid``) rather than its range in 16 steps (``minmax``) or a least-squares refit (``lsq``). Groups of 128 do not
+line up and tell what a true bf16 checkpoint would give.
+
+Our AR decodes the study's calibration prompts (``--tokens`` each); the draft as found and its variants with
+other int4 groups and fits (everything else kept; the head's int4 rows take the same group and fit), and with its
+kept weights as the model's own bf16 (no quantization: the most any fit can give), are simulated on those
+continuations (exact for greedy decoding) and priced by a cost model measured now. Also the relative output error
+of each fit's kernel on random inputs, over the linears of a few layers. Prints a table and appends one JSON line
+to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import statistics
+import sys
+from dataclasses import replace
 
 import torch
 
-from selfspec.assets.models import load_model
 from selfspec.draft.lowbit import LowPrecisionLinear
-from selfspec.draft.path import DraftOptions
-from selfspec.draft.spec import DraftSpec
+from selfspec.inspect.tree_bound import ar_continuations, replayed, study_arguments
 from selfspec.model.arch import arch_of
-from selfspec.provenance import append_row, git_commit, machine_fingerprint
-from selfspec.search.calibration import study_calibration
+from selfspec.provenance import append_row
+from selfspec.search.costs import costs_for_drafts
 from selfspec.search.simulate import RoundSimulator
 
-FORMATS = {"model": DraftOptions(), "int8": DraftOptions(weights="int8"),
-           "int4-g32": DraftOptions(weights="int4", group_size=32), "int4-g128": DraftOptions(weights="int4", group_size=128)}
+# the grid fit only where groups can line up with the checkpoint's blocks of 32 (in wider groups it is lsq)
+FITS = {f"int4 g{g} {fit}": (g, fit) for g, fits in ((32, ("minmax", "lsq", "grid")), (128, ("minmax", "lsq")))
+        for fit in fits}
 
 
-def output_error(model, options: DraftOptions, layers: list[int]) -> float:
+def output_error(model, weights: str, group: int, fit: str, layers: list[int]) -> float:
     """||x W_q - x W|| / ||x W|| over the linears of ``layers`` (random bf16 inputs, the real kernels)."""
     torch.manual_seed(0)
     num = den = 0.0
@@ -40,7 +46,7 @@ def output_error(model, options: DraftOptions, layers: list[int]) -> float:
     with torch.inference_mode():
         for i in [i for i in layers if i < len(blocks)]:
             for lin in [m for m in blocks[i].modules() if isinstance(m, torch.nn.Linear)]:
-                q = LowPrecisionLinear(lin, options.weights, options.group_size)
+                q = LowPrecisionLinear(lin, weights, group, fit)
                 x = torch.randn(16, lin.in_features, dtype=lin.weight.dtype)
                 ref = lin(x).float()
                 q.active = True
@@ -51,32 +57,47 @@ def output_error(model, options: DraftOptions, layers: list[int]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("draft")
-    ap.add_argument("storage", help="the study's storage (its calibration prompts and continuations)")
-    ap.add_argument("--study", help="the study's name (default: the draft file's name)")
-    ap.add_argument("--layers", type=int, nargs="+", default=[0, 9, 18, 27])
+    study_arguments(ap)
+    ap.add_argument("--layers", type=int, nargs="+", default=[0, 9, 18, 27], help="layers whose output error to measure")
     ap.add_argument("--out", default="results/quant_alignment.jsonl")
+    ap.set_defaults(tokens=64)
     args = ap.parse_args()
-    spec = DraftSpec.load(args.draft)
-    saved = study_calibration(args.storage, args.study or Path(args.draft).stem)
-    lm = load_model(saved["key"]["model"])
-    sim = RoundSimulator(lm.model, saved["key"]["prompts"], saved["continuations"], lm.eos_ids)
-    row = {"draft": args.draft, "draft_options": spec.describe(), "prompts": len(sim.prompts),
-           "git_commit": git_commit(), "machine": machine_fingerprint(), "formats": {}}
-    for name, fmt in FORMATS.items():
-        o = spec.options
-        variant = spec.replace(options=DraftOptions(weights=fmt.weights, group_size=fmt.group_size,
-                                                    head_tokens=o.head_tokens, ngram=o.ngram, copy_tokens=o.copy_tokens))
-        counts = sim.simulate(variant)
-        no_copy = sim.simulate(variant.replace(options=DraftOptions(weights=fmt.weights, group_size=fmt.group_size,
-                                                                    head_tokens=o.head_tokens)))
-        err = output_error(lm.model, fmt, args.layers) if fmt.weights != "model" else 0.0
-        row["formats"][name] = {"acceptance": round(counts.acceptance, 4), "tokens_per_round": round(counts.tokens_per_round, 3),
-                                "acceptance_without_copy": round(no_copy.acceptance, 4),
-                                "tokens_per_round_without_copy": round(no_copy.tokens_per_round, 3),
-                                "relative_output_error": round(err, 4)}
-        print(name, row["formats"][name], flush=True)
-    append_row(args.out, row, echo=False)
+    name, lm, spec, prompts, groups = replayed(args)
+    conts = ar_continuations(lm, prompts, args.tokens)
+    sim = RoundSimulator(lm.model, prompts, conts, lm.eos_ids)
+    o = spec.options
+    drafts = {"as found": spec, "kept weights bf16": spec.replace(options=replace(o, weights="model"))}
+    drafts |= {label: spec.replace(options=replace(o, weights="int4", group_size=g, int4_fit=fit))
+               for label, (g, fit) in FITS.items()}
+    counts = {}
+    for label, d in drafts.items():
+        print(f"simulating {label}: {d.describe()}", file=sys.stderr, flush=True)
+        counts[label] = {g: sim.simulate(d, prompts=idx) for g, idx in groups}
+    print("measuring the cost model", file=sys.stderr, flush=True)
+    costs = costs_for_drafts(lm, prompts[0] + conts[0], list(drafts.values()))
+    names = [g for g, _ in groups]
+    rows = {}
+    for label, d in drafts.items():
+        by = {g: costs.predicted_speedup(counts[label][g], d) for g in names}
+        tokens = sum(c.tokens for c in counts[label].values())
+        rounds = sum(c.tokens / c.tokens_per_round for c in counts[label].values() if c.tokens_per_round)
+        g, fit = FITS.get(label, (None, None))
+        err = output_error(lm.model, "int4", g, fit, args.layers) if g else None
+        rows[label] = {"spec": d.describe(), "predicted": by, "mean": statistics.mean(by.values()),
+                       "tokens_per_round": tokens / rounds, "relative_output_error": err}
+    width = max(map(len, rows)) + 2
+    print(f"{len(prompts)} calibration prompts of {name} x {args.tokens} tokens; draft {spec.describe()}; prices: a "
+          f"cost model measured now ({costs.machine.get('cpu', '?')}, {costs.machine.get('isa', '?')})")
+    print("draft".ljust(width) + "".join(f"{g[:12]:>14}" for g in names) + f"{'mean':>10}{'tok/round':>11}{'error':>9}")
+    for label, r in rows.items():
+        err = f"{r['relative_output_error']:.2%}" if r["relative_output_error"] is not None else "-"
+        print(label.ljust(width) + "".join(f"{r['predicted'][g]:>13.2f}x" for g in names)
+              + f"{r['mean']:>9.2f}x{r['tokens_per_round']:>11.2f}{err:>9}")
+    print("predicted decode speedup over our AR; error: the fit's kernel output against the bf16 linears")
+    append_row(args.out, {"study": name, "draft": args.draft, "spec": spec.describe(), "tokens": args.tokens,
+                          "prompts": len(prompts), "groups": names, "drafts": rows,
+                          "counts": {label: {g: c.to_dict() for g, c in by.items()} for label, by in counts.items()},
+                          "costs": costs.to_dict()}, echo=False)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ class DraftOptions:
     # read a step), so that the draft's choice among its top candidates is the model head's; 0 = off
     head_rescore: int = 0
     # how int4 groups (weights and head) take their scale and zero: minmax (each group's range in 16 even steps) |
-    # lsq (refitted to the weights by least squares: a smaller error, the same bytes and kernel; slower to build)
+    # lsq (refitted to the weights by least squares: a smaller error, the same bytes and kernel; slower to build) |
+    # grid (lsq, or a group's own 4-bit grid where it has one: a 4-bit checkpoint's blocks come back as they were)
     int4_fit: str = "minmax"
     ngram: int = 0  # 0 = off; n >= 1: draft by copying what followed the last n tokens in the context
     copy_tokens: int = 0  # longest copy draft; 0 = k, like the layer-skip draft

@@ -1,6 +1,8 @@
 """The int4 groups' fit: least squares never errs more than the even span of a group's range, costs the same bytes,
 and a draft fitted that way keeps greedy output exact beside one fitted the other way on the same model."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -36,6 +38,35 @@ def test_the_least_squares_fit_errs_no_more_than_min_max_in_any_group(group):
         _int4_groups(w, group, "gptq")
 
 
+def _four_bit_blocks(n: int, k: int, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 weight dequantized from 4-bit blocks as a GGUF Q4_K tensor is (value = step * q - offset, q in
+    0..15, levels drawn unevenly so that most blocks miss some), and its levels q."""
+    torch.manual_seed(1)
+    q = torch.randint(0, 16, (n, k // block, block)).float()
+    q = torch.where(torch.rand(n, k // block, 1) < 0.5, (q * 0.6).round() + 3, q)  # half the blocks span 3..12
+    step = torch.rand(n, k // block, 1) * 0.02 + 0.001
+    offset = step * (torch.rand(n, k // block, 1) * 16)
+    return (q * step - offset).reshape(n, k).bfloat16(), q.reshape(n, k)
+
+
+def test_the_grid_fit_gives_a_4_bit_checkpoint_its_own_values_back_and_errs_no_more_than_lsq():
+    w, q = _four_bit_blocks(64, 256)
+    grid, lsq, minmax = (_error(w, 32, fit) for fit in ("grid", "lsq", "minmax"))
+    assert (grid <= lsq * (1 + 1e-6) + 1e-12).all()
+    scale = w.float().reshape(64, 8, 32).pow(2).sum(-1)
+    assert (grid / scale).max() < 1e-5 < (minmax / scale).median()  # only the values' bf16 rounding is left
+    got, _, _ = _int4_groups(w, 32, "grid")
+    span = q.reshape(64, 8, 32)
+    span = span - span.amin(-1, keepdim=True)
+    assert torch.equal(got.reshape(64, 8, 32).float(), span)  # the same levels, counted from the block's lowest
+    # groups of 64 hold two blocks of other steps: not one grid, so the lsq fit (the same numbers)
+    assert torch.equal(_error(w, 64, "grid"), _error(w, 64, "lsq"))
+    gauss = torch.randn(40, 128).bfloat16()  # no grid in it: the lsq fit
+    assert torch.equal(_int4_groups(gauss, 32, "grid")[0], _int4_groups(gauss, 32, "lsq")[0])
+    flat = torch.full((4, 64), 0.5).bfloat16()  # one level per group
+    assert (_error(flat, 32, "grid") < 1e-12).all()
+
+
 def test_a_least_squares_draft_beside_a_min_max_one_stays_exact_and_keeps_its_own_copies():
     model = tiny_model("qwen2", vocab_size=96)
     plan, prompt = SkipPlan(4, attn=(1,)), PROMPT + PROMPT
@@ -53,6 +84,7 @@ def test_a_least_squares_draft_beside_a_min_max_one_stays_exact_and_keeps_its_ow
     assert paths["lsq"].head_low is not paths["minmax"].head_low
     spec = DraftSpec(plan, fits["lsq"], k=3)
     assert DraftSpec.from_dict(spec.to_dict()).options.int4_fit == "lsq" and "g32 lsq" in spec.describe()
+    assert "g32 grid" in DraftSpec(plan, replace(fits["lsq"], int4_fit="grid"), k=3).describe()
     assert spec.key != DraftSpec(plan, fits["minmax"], k=3).key
     assert "int4_fit" not in fits["minmax"].record() and fits["lsq"].record()["int4_fit"] == "lsq"
     with pytest.raises(SelfSpecError, match="int4_fit"):
