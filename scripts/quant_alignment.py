@@ -11,8 +11,9 @@ line up and tell what a true bf16 checkpoint would give.
 
 Our AR decodes the study's calibration prompts (``--tokens`` each); the draft as found and its variants with
 other int4 groups and fits (everything else kept; the head's int4 rows take the same group and fit), and with its
-kept weights as the model's own bf16 (no quantization: the most any fit can give), are simulated on those
-continuations (exact for greedy decoding) and priced by a cost model measured now. Also the relative output error
+kept weights as the model's own bf16, are simulated on those continuations (exact for greedy decoding) and priced
+by a cost model measured now; the bf16 weights' rounds priced as the draft as found bound what any fit of its
+format could give. Also the relative output error
 of each fit's kernel on random inputs, over the linears of a few layers. Prints a table and appends one JSON line
 to ``--out``.
 """
@@ -33,9 +34,10 @@ from selfspec.provenance import append_row
 from selfspec.search.costs import costs_for_drafts
 from selfspec.search.simulate import RoundSimulator
 
-# the grid fit only where groups can line up with the checkpoint's blocks of 32 (in wider groups it is lsq)
-FITS = {f"int4 g{g} {fit}": (g, fit) for g, fits in ((32, ("minmax", "lsq", "grid")), (128, ("minmax", "lsq")))
-        for fit in fits}
+GGUF_BLOCK = 32  # the grid fit only where groups can line up with the checkpoint's blocks (wider ones get lsq's)
+
+
+BOUND = "exact weights at the draft's price"
 
 
 def output_error(model, weights: str, group: int, fit: str, layers: list[int]) -> float:
@@ -58,6 +60,7 @@ def output_error(model, weights: str, group: int, fit: str, layers: list[int]) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     study_arguments(ap)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[32, 128], help="int4 group sizes to try")
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 9, 18, 27], help="layers whose output error to measure")
     ap.add_argument("--out", default="results/quant_alignment.jsonl")
     ap.set_defaults(tokens=64)
@@ -66,22 +69,27 @@ def main() -> None:
     conts = ar_continuations(lm, prompts, args.tokens)
     sim = RoundSimulator(lm.model, prompts, conts, lm.eos_ids)
     o = spec.options
+    fits = {f"int4 g{g} {fit}": (g, fit) for g in args.sizes
+            for fit in ("minmax", "lsq", "grid")[:3 if g <= GGUF_BLOCK else 2]}
     drafts = {"as found": spec, "kept weights bf16": spec.replace(options=replace(o, weights="model"))}
     drafts |= {label: spec.replace(options=replace(o, weights="int4", group_size=g, int4_fit=fit))
-               for label, (g, fit) in FITS.items()}
+               for label, (g, fit) in fits.items()}
     counts = {}
     for label, d in drafts.items():
+        same = next((seen for seen in counts if drafts[seen] == d), None)  # the draft as found is one of the fits
         print(f"simulating {label}: {d.describe()}", file=sys.stderr, flush=True)
-        counts[label] = {g: sim.simulate(d, prompts=idx) for g, idx in groups}
+        counts[label] = counts[same] if same else {g: sim.simulate(d, prompts=idx) for g, idx in groups}
     print("measuring the cost model", file=sys.stderr, flush=True)
     costs = costs_for_drafts(lm, prompts[0] + conts[0], list(drafts.values()))
     names = [g for g, _ in groups]
+    # the most any fit of the draft's format can give: the bf16 weights' rounds at the draft's own price
+    counts[BOUND] = counts["kept weights bf16"]
     rows = {}
-    for label, d in drafts.items():
+    for label, d in {**drafts, BOUND: spec}.items():
         by = {g: costs.predicted_speedup(counts[label][g], d) for g in names}
         tokens = sum(c.tokens for c in counts[label].values())
         rounds = sum(c.tokens / c.tokens_per_round for c in counts[label].values() if c.tokens_per_round)
-        g, fit = FITS.get(label, (None, None))
+        g, fit = fits.get(label, (None, None))
         err = output_error(lm.model, "int4", g, fit, args.layers) if g else None
         rows[label] = {"spec": d.describe(), "predicted": by, "mean": statistics.mean(by.values()),
                        "tokens_per_round": tokens / rounds, "relative_output_error": err}

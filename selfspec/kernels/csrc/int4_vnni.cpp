@@ -279,20 +279,30 @@ void rows_block(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, cons
   }
 }
 
-// Groups of 32: the two halves of a block are the block's two groups, each with its own scale.
+// The zero points' term of a row of groups of 32: the sum over groups of (z - 8 s) a, which is the dot product of
+// the row's (s, z) pairs with XZ's (-8 a, a) pairs, 8 floats a step (bf16 -> fp32 is a shift of 16 bits; 2 x K/32
+// floats, a multiple of 8). Once a row, apart from the products: inside the loop over blocks it took as many
+// instructions as the integer products themselves.
+inline float zero_term_g32(const uint16_t* szr, const float* xz, int64_t pairs) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < 2 * pairs; j += 8) {
+    const __m256i raw = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(szr + j)));
+    acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)), _mm256_loadu_ps(xz + j), acc);
+  }
+  return hsum(acc);
+}
+
+// Groups of 32: the two halves of a block are the block's two groups, each with its own scale; XZ [M, 2 K/32]
+// holds each group's (-8 a, a) for the zero points' term (zero_term_g32).
 template <int MB>
-void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, const float* XS, const float* XG,
+void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, const float* XS, const float* XZ,
                     at::BFloat16* Y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t groups = K / 32, blocks = K / 64;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = W + n * (K / 2);
     const uint16_t* szr = reinterpret_cast<const uint16_t*>(SZ) + n * groups * 2;
     __m256 acc[MB];
-    __m128 zacc[MB];
-    for (int i = 0; i < MB; ++i) {
-      acc[i] = _mm256_setzero_ps();
-      zacc[i] = _mm_setzero_ps();
-    }
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < blocks / 2; ++c) {
       __m256i q[4];
       chunk_q(wr, c, q);
@@ -307,16 +317,11 @@ void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, 
           const __m256 both = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(q[2 * half], a)), s0,
                                               _mm256_mul_ps(_mm256_cvtepi32_ps(dot32(q[2 * half + 1], a + 32)), s1));
           acc[i] = _mm256_fmadd_ps(both, _mm256_set1_ps(XS[m * blocks + h]), acc[i]);
-          const float a0 = XG[m * groups + 2 * h], a1 = XG[m * groups + 2 * h + 1];
-          zacc[i] = _mm_fmadd_ps(sz4, _mm_setr_ps(-8.f * a0, a0, -8.f * a1, a1), zacc[i]);
         }
       }
     }
-    for (int i = 0; i < MB; ++i) {
-      __m128 z = _mm_add_ps(zacc[i], _mm_movehl_ps(zacc[i], zacc[i]));
-      z = _mm_add_ss(z, _mm_shuffle_ps(z, z, 1));
-      Y[(m0 + i) * N + n] = at::BFloat16(hsum(acc[i]) + _mm_cvtss_f32(z));
-    }
+    for (int i = 0; i < MB; ++i)
+      Y[(m0 + i) * N + n] = at::BFloat16(hsum(acc[i]) + zero_term_g32(szr, XZ + (m0 + i) * 2 * groups, groups));
   }
 }
 
@@ -353,12 +358,23 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   const int8_t* XQ = xq.data_ptr<int8_t>();
   const float* XS = xs.data_ptr<float>();
   const float* XG = xg.data_ptr<float>();
+#if !defined(__AVX512VNNI__)
+  // AVX2, groups of 32: each group's (-8 a, a), for the zero points' term as one dot product a row
+  auto xz = torch::empty({M, G == 32 ? 2 * (K / G) : 0}, torch::kFloat);
+  if (G == 32) {
+    float* z = xz.data_ptr<float>();
+    for (int64_t j = 0; j < M * (K / G); ++j) z[2 * j] = -8.f * XG[j], z[2 * j + 1] = XG[j];
+  }
+  const float* XZ = xz.data_ptr<float>();
+#else
+  const float* XZ = XG;
+#endif
   at::BFloat16* Y = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       by_rows(std::min<int64_t>(4, M - m0), [&](auto rows) {
         constexpr int MB = decltype(rows)::value;
-        if (G == 32) rows_block_g32<MB>(W, SZ, XQ, XS, XG, Y, K, N, m0, n0, n1);
+        if (G == 32) rows_block_g32<MB>(W, SZ, XQ, XS, XZ, Y, K, N, m0, n0, n1);
         else rows_block<MB>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1);
       });
     }
