@@ -140,24 +140,27 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
         progress.close()
     stages["trials"] = time.perf_counter() - t
     fail_dead_trials(study, s.liveness)
-    with holding(storage, s.study_name, "writing the draft", s.liveness) as mine:
-        if not mine:
-            print(f"[selfspec] worker {slot} done; another worker writes the draft of study {s.study_name!r}",
-                  file=sys.stderr)
-            return None
-        if running_elsewhere(study, live=s.liveness):
-            print(f"[selfspec] worker {slot} done; other workers are still running trials of study "
-                  f"{s.study_name!r}: the last one to finish writes the draft", file=sys.stderr)
-            return None
-        written = study.user_attrs.get("draft_written") or {}
-        if written.get("at", 0.0) > started:  # another worker of this search finished first and wrote it
-            print(f"[selfspec] worker {slot} done; {written['by']} wrote the draft to {written['path']}",
-                  file=sys.stderr)
-            return None
-        report = _finish(lm, prompt_set, s, space, study, sim, costs, cost_note, calib_ids, timed_rows, held_ids,
-                         plans_dir, t_start, extra_provenance, stages, setup_seconds)
-        study.set_user_attr("draft_written", {"at": time.time(), "by": WORKER, "path": report.plan_path})
-        return report
+    # the last worker to finish writes the draft. A worker that finds the claim held waits for it and decides in
+    # turn: one that gave up instead could leave no writer (the holder saw its last trial still running, while it
+    # took the claim to be the writer's)
+    while True:
+        with holding(storage, s.study_name, "writing the draft", s.liveness) as mine:
+            if not mine:
+                time.sleep(min(2.0, s.liveness.heartbeat_s))
+                continue
+            if running_elsewhere(study, live=s.liveness):
+                print(f"[selfspec] worker {slot} done; other workers are still running trials of study "
+                      f"{s.study_name!r}: the last one to finish writes the draft", file=sys.stderr)
+                return None
+            written = study.user_attrs.get("draft_written") or {}
+            if written.get("at", 0.0) > started:  # another worker of this search finished first and wrote it
+                print(f"[selfspec] worker {slot} done; {written['by']} wrote the draft to {written['path']}",
+                      file=sys.stderr)
+                return None
+            report = _finish(lm, prompt_set, s, space, study, sim, costs, cost_note, calib_ids, timed_rows, held_ids,
+                             plans_dir, t_start, extra_provenance, stages, setup_seconds)
+            study.set_user_attr("draft_written", {"at": time.time(), "by": WORKER, "path": report.plan_path})
+            return report
 
 
 def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: SearchSpace, study: optuna.Study,
