@@ -46,7 +46,7 @@ from selfspec.search.study import (
     warm_start_params,
 )
 from selfspec.search.variants import ablation_variants, skip_free, spread
-from selfspec.search.workers import WORKER, fail_dead_trials, holding, open_storage, running_elsewhere, worker_slot
+from selfspec.search.workers import WORKER, fail_dead_trials, open_storage, running_elsewhere, waiting, worker_slot
 
 
 class _Progress:
@@ -143,24 +143,20 @@ def _search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: Se
     # the last worker to finish writes the draft. A worker that finds the claim held waits for it and decides in
     # turn: one that gave up instead could leave no writer (the holder saw its last trial still running, while it
     # took the claim to be the writer's)
-    while True:
-        with holding(storage, s.study_name, "writing the draft", s.liveness) as mine:
-            if not mine:
-                time.sleep(min(2.0, s.liveness.heartbeat_s))
-                continue
-            if running_elsewhere(study, live=s.liveness):
-                print(f"[selfspec] worker {slot} done; other workers are still running trials of study "
-                      f"{s.study_name!r}: the last one to finish writes the draft", file=sys.stderr)
-                return None
-            written = study.user_attrs.get("draft_written") or {}
-            if written.get("at", 0.0) > started:  # another worker of this search finished first and wrote it
-                print(f"[selfspec] worker {slot} done; {written['by']} wrote the draft to {written['path']}",
-                      file=sys.stderr)
-                return None
-            report = _finish(lm, prompt_set, s, space, study, sim, costs, cost_note, calib_ids, timed_rows, held_ids,
-                             plans_dir, t_start, extra_provenance, stages, setup_seconds)
-            study.set_user_attr("draft_written", {"at": time.time(), "by": WORKER, "path": report.plan_path})
-            return report
+    with waiting(storage, s.study_name, "writing the draft", s.liveness, poll_s=min(2.0, s.liveness.heartbeat_s)):
+        if running_elsewhere(study, live=s.liveness):
+            print(f"[selfspec] worker {slot} done; other workers are still running trials of study "
+                  f"{s.study_name!r}: the last one to finish writes the draft", file=sys.stderr)
+            return None
+        written = study.user_attrs.get("draft_written") or {}
+        if written.get("at", 0.0) > started:  # another worker of this search finished first and wrote it
+            print(f"[selfspec] worker {slot} done; {written['by']} wrote the draft to {written['path']}",
+                  file=sys.stderr)
+            return None
+        report = _finish(lm, prompt_set, s, space, study, sim, costs, cost_note, calib_ids, timed_rows, held_ids,
+                         plans_dir, t_start, extra_provenance, stages, setup_seconds)
+        study.set_user_attr("draft_written", {"at": time.time(), "by": WORKER, "path": report.plan_path})
+        return report
 
 
 def _finish(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, space: SearchSpace, study: optuna.Study,

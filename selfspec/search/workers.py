@@ -249,6 +249,18 @@ def holding(storage, study_name: str, what: str, live: Liveness = LIVENESS):
     return _held(storage, f"{study_name}{_MARK}{what}", live)
 
 
+@contextmanager
+def waiting(storage, study_name: str, what: str, live: Liveness = LIVENESS, poll_s: float = 2.0) -> Iterator[None]:
+    """Context manager: ``what`` claimed for this worker for the block like :func:`holding`, waiting (asking again
+    every ``poll_s``) while a live worker holds it; a dead holder's claim is taken over."""
+    while True:
+        with _held(storage, f"{study_name}{_MARK}{what}", live) as mine:
+            if mine:
+                yield
+                return
+        time.sleep(poll_s)
+
+
 def try_claim(storage, study_name: str, what: str, live: Liveness = LIVENESS) -> bool:
     """Claim ``what`` until :func:`release`, without waiting and with no heartbeat; False when a live worker holds it."""
     return _take(storage, f"{study_name}{_MARK}{what}", live) is not None

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -268,6 +269,31 @@ def test_a_holder_on_another_host_is_judged_by_its_own_heartbeat(tmp_path):
     assert workers._holder_alive({"worker": "another-host:1", "alive_at": now - 10, "stale_after": 30})
     assert not workers._holder_alive({"worker": "another-host:1", "alive_at": now - 10, "stale_after": 5}, 1e9)
     assert workers._holder_alive({"worker": "another-host:1", "alive_at": now - 10})  # none recorded: the default
+
+
+def test_a_worker_waits_for_a_held_claim_and_takes_it_once_its_holder_lets_go(tmp_path):
+    """The draft's writer: a worker that finds the claim held by a live worker waits for it instead of leaving (two
+    that both left wrote no draft), and takes it when it is given back."""
+    storage = workers.open_storage(tmp_path / "s.db")
+    live = workers.Liveness(heartbeat_s=0.2, stale_after_s=1.0)
+    taken: list[float] = []
+
+    def wait() -> None:
+        with workers.waiting(storage, "x", "writing the draft", live, poll_s=0.1):
+            taken.append(time.time())
+
+    with workers.holding(storage, "x", "writing the draft", live) as mine:
+        assert mine
+        marker = optuna.load_study(study_name="x~writing the draft", storage=storage)
+        marker.set_user_attr("worker", "another-host:1")  # as if held from another host, its heartbeat fresh
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(1.5)  # past the holder's stale_after: judged alive by its heartbeat
+        assert not taken
+        let_go = time.time()
+    waiter.join(timeout=30)
+    assert taken and taken[0] >= let_go
+    assert optuna.get_all_study_names(storage) == []  # given back by the waiter too
 
 
 def test_workers_opening_a_new_database_at_once_all_get_in(postgres):
