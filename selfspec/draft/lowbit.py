@@ -86,16 +86,22 @@ def _int4_groups(w: torch.Tensor, group: int, fit: str = "minmax") -> tuple[torc
     return torch.cat(qs), torch.cat(scales), torch.cat(zeros)
 
 
+def _line(wg: torch.Tensor, wm: torch.Tensor, v: torch.Tensor, fallback) -> tuple[torch.Tensor, torch.Tensor]:
+    """The least-squares step and offset (a, b) of groups ``wg`` [R, G, group] (their means ``wm``) on levels ``v``,
+    wg ~ a v + b; the step ``fallback`` where a group's levels are all one."""
+    vm = v.mean(-1, keepdim=True)
+    var = ((v - vm) ** 2).sum(-1, keepdim=True)
+    a = torch.where(var > 0, ((v - vm) * (wg - wm)).sum(-1, keepdim=True) / var.clamp(min=1e-12), fallback).clamp(min=1e-8)
+    return a, wm - a * vm
+
+
 def _refit(wg: torch.Tensor, q: torch.Tensor, step: torch.Tensor, lo: torch.Tensor) -> tuple:
     """The ``lsq`` fit of groups ``wg`` [R, G, group] from the values ``q`` = round((wg - lo) / step)."""
     best = ((q * step + lo - wg) ** 2).sum(-1, keepdim=True)
     wm = wg.mean(-1, keepdim=True)
     a, b, v = step, lo, q
     for _ in range(LSQ_ROUNDS):
-        vm = v.mean(-1, keepdim=True)
-        var = ((v - vm) ** 2).sum(-1, keepdim=True)
-        a = torch.where(var > 0, ((v - vm) * (wg - wm)).sum(-1, keepdim=True) / var.clamp(min=1e-12), a).clamp(min=1e-8)
-        b = wm - a * vm
+        a, b = _line(wg, wm, v, a)
         v = torch.round((wg - b) / a).clamp(0, 15)
         err = ((v * a + b - wg) ** 2).sum(-1, keepdim=True)
         better = err < best
@@ -124,10 +130,7 @@ def _on_grid(wg: torch.Tensor) -> tuple:
     best = None
     for steps in (guess, guess - 1, guess + 1):
         v = torch.round((wg - lo) / (span / steps.clamp(min=1)).clamp(min=1e-12))
-        vm = v.mean(-1, keepdim=True)
-        var = ((v - vm) ** 2).sum(-1, keepdim=True)
-        a = torch.where(var > 0, ((v - vm) * (wg - wm)).sum(-1, keepdim=True) / var.clamp(min=1e-12), 1.0).clamp(min=1e-8)
-        b = wm - a * vm
+        a, b = _line(wg, wm, v, 1.0)
         worst = torch.where((steps >= 1) & (steps <= 15), ((v * a + b - wg).abs() / a).amax(-1, keepdim=True), torch.inf)
         if best is None:
             best = [v, a, b, worst]
