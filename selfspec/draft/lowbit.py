@@ -44,8 +44,8 @@ LSQ_ROUNDS = 4  # refinements of the least-squares fit; each group keeps its sma
 # a group lies on a 4-bit grid when its distinct values are at most 16 even steps apart, each within this
 # fraction of a step of its level (a bf16 copy of 4-bit values is off by at most 2^-9 of a value: far less)
 GRID_TOLERANCE = 0.125
-# weights fitted at a time: ~2 MiB in fp32, which the fits' many elementwise passes find in cache (4-5x faster
-# for lsq than 8192 rows at once on a Zen 3; a 150k-row head at once would take gigabytes)
+# weights fitted at a time: ~2 MiB in fp32, which the fits' many elementwise passes find in cache (a 150k-row
+# head at once would take gigabytes)
 _CHUNK = 1 << 19
 
 
