@@ -13,7 +13,10 @@ Our AR decodes the study's calibration prompts (``--tokens`` each); the draft as
 other int4 groups and fits (everything else kept; the head's int4 rows take the same group and fit), and with its
 kept weights as the model's own bf16, are simulated on those continuations (exact for greedy decoding) and priced
 by a cost model measured now; the bf16 weights' rounds priced as the draft as found bound what any fit of its
-format could give. Also the relative output error
+format could give. Where the draft's head is quantized, also the head's share: the draft as found and at each
+``grid`` fit with the head's top 8 ids scored again on the model's rows (``head_rescore``), the head in bf16, and
+the model itself drafting (layers and head bf16: every token it drafts is the model's, the most any draft of this
+shape can accept). Also the relative output error
 of each fit's kernel on random inputs, over the linears of a few layers. Prints a table and appends one JSON line
 to ``--out``.
 """
@@ -38,6 +41,9 @@ GGUF_BLOCK = 32  # the grid fit only where groups can line up with the checkpoin
 
 
 BOUND = "exact weights at the draft's price"
+MODEL = "the model itself drafting (layers and head bf16)"  # every token it drafts is the model's: the ceiling
+RESCORE = 8  # the head's top ids scored again on the model's rows (the value searches fix for quantized heads)
+RESCORED = "{}, head top 8 rescored"
 
 
 def output_error(model, weights: str, group: int, fit: str, layers: list[int]) -> float:
@@ -74,6 +80,13 @@ def main() -> None:
     drafts = {"as found": spec, "kept weights bf16": spec.replace(options=replace(o, weights="model"))}
     drafts |= {label: spec.replace(options=replace(o, weights="int4", group_size=g, int4_fit=fit))
                for label, (g, fit) in fits.items()}
+    if o.head_weights != "model":  # the head's share: its top ids rescored, exact, and the model itself drafting
+        rescored = {RESCORED.format(label): replace(drafts[label].options, head_rescore=RESCORE)
+                    for label in ("as found", *[f for f in fits if f.endswith("grid")])
+                    if not drafts[label].options.head_rescore}
+        drafts |= {label: spec.replace(options=opts) for label, opts in rescored.items()}
+        drafts["head bf16"] = spec.replace(options=replace(o, head_weights="model", head_rescore=0))
+        drafts[MODEL] = spec.replace(options=replace(o, weights="model", head_weights="model", head_rescore=0))
     counts = {}
     for label, d in drafts.items():
         same = next((seen for seen in counts if drafts[seen] == d), None)  # the draft as found is one of the fits
@@ -89,7 +102,7 @@ def main() -> None:
         by = {g: costs.predicted_speedup(counts[label][g], d) for g in names}
         tokens = sum(c.tokens for c in counts[label].values())
         rounds = sum(c.tokens / c.tokens_per_round for c in counts[label].values() if c.tokens_per_round)
-        g, fit = fits.get(label, (None, None))
+        g, fit = fits.get(label.split(",")[0], (None, None))
         err = output_error(lm.model, "int4", g, fit, args.layers) if g else None
         rows[label] = {"spec": d.describe(), "predicted": by, "mean": statistics.mean(by.values()),
                        "tokens_per_round": tokens / rounds, "relative_output_error": err}

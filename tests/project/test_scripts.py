@@ -73,16 +73,38 @@ def test_device_check_appends_one_row_on_the_cpu(tmp_path):
     assert arch["sampling_seeded"] is True and arch["clock"]["clock_s"] > 0 and arch["clock"]["tokens"] == 16
 
 
-def test_quant_alignment_prices_every_int4_fit_of_the_draft_and_the_exact_weights_bound(tmp_path, tiny_study):
-    out, plan = tmp_path / "fits.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
-    p = _script("quant_alignment.py", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens",
-                "12", "--groups", "--sizes", "32", "--layers", "0", "--dtype", "float32", "--out", str(out))
+def test_quant_alignment_prices_every_int4_fit_of_the_draft_the_head_s_share_and_the_bounds(tmp_path, tiny_study):
+    out, found = tmp_path / "fits.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
+    plan = json.loads(found.read_text())
+    plan["options"] |= {"head_weights": "int4", "head_rescore": 0}  # a quantized head: its share is priced too
+    (tmp_path / "draft.json").write_text(json.dumps(plan))
+    p = _script("quant_alignment.py", str(tiny_study), "--name", "tiny-llama-default", "--draft",
+                str(tmp_path / "draft.json"), "--tokens", "12", "--groups", "--sizes", "32", "--layers", "0",
+                "--dtype", "float32", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     drafts = record["drafts"]
     assert set(drafts) == {"as found", "kept weights bf16", "int4 g32 minmax", "int4 g32 lsq", "int4 g32 grid",
-                           "exact weights at the draft's price"}
+                           "exact weights at the draft's price", "as found, head top 8 rescored",
+                           "int4 g32 grid, head top 8 rescored", "head bf16",
+                           "the model itself drafting (layers and head bf16)"}
     assert all(d["mean"] > 0 and d["tokens_per_round"] >= 1 for d in drafts.values())
+    assert "top 8 rescored" in drafts["int4 g32 grid, head top 8 rescored"]["spec"]
+    assert "int4" not in drafts["the model itself drafting (layers and head bf16)"]["spec"]
     errors = {fit: drafts[f"int4 g32 {fit}"]["relative_output_error"] for fit in ("minmax", "lsq", "grid")}
     assert 0 < errors["grid"] <= errors["lsq"] * 1.001 and errors["lsq"] <= errors["minmax"] * 1.001
+    assert drafts["int4 g32 grid, head top 8 rescored"]["relative_output_error"] == errors["grid"]
     assert drafts["exact weights at the draft's price"]["tokens_per_round"] == drafts["kept weights bf16"]["tokens_per_round"]
+
+
+def test_linear_bench_times_the_packed_products_from_memory_and_from_cache(tmp_path):
+    out = tmp_path / "linear.jsonl"
+    p = _script("linear_bench.py", "--layers", "1", "--rows", "1", "6", "--reps", "1", "--resident-mb", "5",
+                "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["machine"]["cpu"] and row["resident_mb"] == 4.5 and set(row["rows"]) == {"1", "6"}
+    for r in row["rows"].values():
+        assert r["packed_gb_s"] > 0 and r["packed_resident_gb_s"] > 0
+        # the ratio of the two times, which the rates (rounded to 0.1 GB/s) give back to within their rounding
+        assert abs(r["compute_over_memory"] - r["packed_resident_gb_s"] / r["packed_gb_s"]) < 0.05
