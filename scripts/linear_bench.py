@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from selfspec.kernels.packed import PackedLinear, pack_label
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
+SQUARE = 1536  # the in-cache weights' side: the 1.5B's hidden size
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -43,12 +45,12 @@ def main() -> None:
         for shape in ((8960, 1536), (1536, 8960)):
             lin = torch.nn.Linear(shape[1], shape[0], bias=False).to(dtype)
             linears.append(PackedLinear(lin))
-    nbytes = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
-    square = 1536 * 1536 * torch.tensor([], dtype=dtype).element_size()
-    resident = [PackedLinear(torch.nn.Linear(1536, 1536, bias=False).to(dtype))
+    nbytes = _weight_bytes(linears)
+    square = SQUARE * SQUARE * torch.tensor([], dtype=dtype).element_size()
+    resident = [PackedLinear(torch.nn.Linear(SQUARE, SQUARE, bias=False).to(dtype))
                 for _ in range(max(1, round(args.resident_mb * 2**20 / square)) if args.resident_mb > 0 else 0)]
     res = {"dtype": args.dtype, "weight_mb": round(nbytes / 2**20), "kernels": pack_label(),
-           "resident_mb": round(len(resident) * square / 2**20, 1), "torch": torch.__version__,
+           "resident_mb": round(_weight_bytes(resident) / 2**20, 1), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "machine": machine_fingerprint(), "git_commit": git_commit(),
            "rows": {}}
     with torch.inference_mode():
@@ -89,8 +91,8 @@ def main() -> None:
 
 def _resident_seconds(resident: list[PackedLinear], m: int, dtype: torch.dtype, nbytes: int, reps: int) -> float:
     """The best of ``reps`` times for the packed products over cached weights to read ``nbytes`` in all."""
-    x = torch.randn(m, 1536, dtype=dtype)
-    per_pass = sum(lin.weight.numel() * lin.weight.element_size() for lin in resident)
+    x = torch.randn(m, SQUARE, dtype=dtype)
+    per_pass = _weight_bytes(resident)
     passes = max(1, round(nbytes / per_pass))
     for lin in resident:  # into the cache
         _packed(lin, x)
@@ -102,6 +104,10 @@ def _resident_seconds(resident: list[PackedLinear], m: int, dtype: torch.dtype, 
                 _packed(lin, x)
         best = min(best, (time.perf_counter() - t0) * nbytes / (passes * per_pass))
     return best
+
+
+def _weight_bytes(linears: list[PackedLinear]) -> int:
+    return sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
 
 
 def _packed(lin: PackedLinear, x: torch.Tensor) -> torch.Tensor:

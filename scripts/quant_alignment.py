@@ -43,7 +43,7 @@ GGUF_BLOCK = 32  # the grid fit only where groups can line up with the checkpoin
 BOUND = "exact weights at the draft's price"
 MODEL = "the model itself drafting (layers and head bf16)"  # every token it drafts is the model's: the ceiling
 RESCORE = 8  # the head's top ids scored again on the model's rows (the value searches fix for quantized heads)
-RESCORED = "{}, head top 8 rescored"
+RESCORED = f"{{}}, head top {RESCORE} rescored"
 
 
 def output_error(model, weights: str, group: int, fit: str, layers: list[int]) -> float:
@@ -77,14 +77,16 @@ def main() -> None:
     o = spec.options
     fits = {f"int4 g{g} {fit}": (g, fit) for g in args.sizes
             for fit in ("minmax", "lsq", "grid")[:3 if g <= GGUF_BLOCK else 2]}
+    fit_of = dict(fits)  # each draft's int4 layers, where they are a fit's (the head's variants share their layers')
     drafts = {"as found": spec, "kept weights bf16": spec.replace(options=replace(o, weights="model"))}
     drafts |= {label: spec.replace(options=replace(o, weights="int4", group_size=g, int4_fit=fit))
                for label, (g, fit) in fits.items()}
     if o.head_weights != "model":  # the head's share: its top ids rescored, exact, and the model itself drafting
-        rescored = {RESCORED.format(label): replace(drafts[label].options, head_rescore=RESCORE)
-                    for label in ("as found", *[f for f in fits if f.endswith("grid")])
-                    if not drafts[label].options.head_rescore}
-        drafts |= {label: spec.replace(options=opts) for label, opts in rescored.items()}
+        bases = [label for label in ("as found", *[f for f in fits if f.endswith("grid")])
+                 if not drafts[label].options.head_rescore]
+        drafts |= {RESCORED.format(label): spec.replace(options=replace(drafts[label].options, head_rescore=RESCORE))
+                   for label in bases}
+        fit_of |= {RESCORED.format(label): fit_of[label] for label in bases if label in fit_of}
         drafts["head bf16"] = spec.replace(options=replace(o, head_weights="model", head_rescore=0))
         drafts[MODEL] = spec.replace(options=replace(o, weights="model", head_weights="model", head_rescore=0))
     counts = {}
@@ -97,13 +99,15 @@ def main() -> None:
     names = [g for g, _ in groups]
     # the most any fit of the draft's format can give: the bf16 weights' rounds at the draft's own price
     counts[BOUND] = counts["kept weights bf16"]
-    rows = {}
+    rows, errors = {}, {}
     for label, d in {**drafts, BOUND: spec}.items():
         by = {g: costs.predicted_speedup(counts[label][g], d) for g in names}
         tokens = sum(c.tokens for c in counts[label].values())
         rounds = sum(c.tokens / c.tokens_per_round for c in counts[label].values() if c.tokens_per_round)
-        g, fit = fits.get(label.split(",")[0], (None, None))
-        err = output_error(lm.model, "int4", g, fit, args.layers) if g else None
+        g, fit = fit_of.get(label, (None, None))
+        if g and (g, fit) not in errors:  # once per fit: a draft with the head rescored has its fit's layers
+            errors[g, fit] = output_error(lm.model, "int4", g, fit, args.layers)
+        err = errors.get((g, fit))
         rows[label] = {"spec": d.describe(), "predicted": by, "mean": statistics.mean(by.values()),
                        "tokens_per_round": tokens / rounds, "relative_output_error": err}
     width = max(map(len, rows)) + 2
