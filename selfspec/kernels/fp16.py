@@ -4,8 +4,9 @@ On a CPU that cannot prepack bf16 weights for oneDNN (AVX2 only, e.g. a Zen 3 EP
 exact fp16 copies of the bf16 weights (:mod:`selfspec.kernels.packed`). fbgemm's fp16 kernel computes 6 rows at a time
 and reads every weight again for each further 6, so on a 2-core Zen 3 a 1.5B forward over 8 rows cost 2.3x one over a
 single row, and over 6 rows 1.45x (``scripts/verify_width.py``, docs/log.md). This kernel keeps the same fp16
-copies in panels of 16 outputs and reads each panel once for all rows of a call: a verify over 2-16 rows reads the
-weights about as fast as a plain step over one. The sums run in fp32 as fbgemm's do, in another order: the same
+copies in panels of 16 outputs and reads each panel once for all rows of a call, in blocks of up to 6 rows whose
+products run under the reading: a verify over 2-6 rows costs about what a plain step over one does, and each further
+6 rows add a pass over the weights from cache. The sums run in fp32 as fbgemm's do, in another order: the same
 numbers up to rounding. A weight that fp16 does not hold exactly (a bf16 value below fp16's subnormals) keeps its
 bf16 values in the same panels (:func:`pack` with ``dtype=torch.bfloat16``), which the kernel widens by a shift: the
 same fp32 weights and sums as an fp16 panel of the same values, so every row stays row-invariant.
@@ -28,8 +29,9 @@ from selfspec.kernels import vnni
 
 SOURCE = Path(__file__).parent / "csrc" / "fp16_panels.cpp"
 FLAGS = ("fma", "avx2", "f16c")
-REVISION = 3  # a change that moves its speed is a new revision: cost models timed on another re-measure (r3: bf16
-# panels for weights fp16 does not hold, which ran on oneDNN's fp32 kernel before)
+REVISION = 4  # a change that moves its speed is a new revision: cost models timed on another re-measure (r3: bf16
+# panels for weights fp16 does not hold, which ran on oneDNN's fp32 kernel before; r4: blocks of 6 rows, one FMA chain
+# per output, so a 6-row forward passes over the weights once)
 PANEL = 16  # outputs per panel
 ENV = "SELFSPEC_FP16_KERNEL"  # fbgemm: never use this kernel
 

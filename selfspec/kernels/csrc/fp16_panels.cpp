@@ -4,15 +4,18 @@
 // laid out in panels of 16 outputs: w [P, K, 16] fp16, P = ceil(N / 16), panel p holding outputs 16p..16p+15 for each
 // input k (zeros past N). A weight that fp16 does not hold exactly keeps its bf16 values in the same panels (w bf16),
 // widened to fp32 by a shift: the same fp32 weights, so the same products in the same order. The products run in
-// fp32 on AVX2 + FMA + F16C: each 16-output panel is read once per call for all M rows (blocks of 3 rows x 16 outputs
-// in twelve ymm accumulators, the panel's blocks of 256 inputs kept in L1 across the row blocks), so a forward over
-// 2-3 rows reads the weights about as fast as over one. fbgemm's fp16 kernel, which this replaces on such CPUs,
+// fp32 on AVX2 + FMA + F16C: each 16-output panel is read once per call for all M rows, in blocks of up to 6 rows x 16
+// outputs (twelve ymm accumulators, each weight widened once per block), the panel's blocks of 256 inputs kept in L1
+// across the row blocks. Up to 6 rows thus cost one pass over the weights whose FMAs run under the reading: a forward
+// over 6 rows reads the weights about as fast as over one. fbgemm's fp16 kernel, which this replaces on such CPUs,
 // handles 6 rows at a time and reads every weight again for each further 6 (docs/log.md). The sums run in fp32 in
 // another order than fbgemm's: the same numbers up to rounding, rounded once to the output's dtype.
 //
-// Row-invariant: every row's sum runs in the same order whatever the call's row count or the row's place in it (two
-// interleaved partial sums over each block of 256 inputs, added, then added to the blocks before), so a row computes
-// the same bits in a one-row step as in a verify (docs/numerics.md).
+// Row-invariant: every row's sum runs in the same order whatever the call's row count or the row's place in it (one
+// chain of FMAs per output over the inputs, block after block), so a row computes the same bits in a one-row step as
+// in a verify (docs/numerics.md). One chain leaves a single row waiting on the FMA's latency, which still runs well
+// under the weights' reading; two interleaved chains per output (revisions 2 and 3) fitted only 3 rows in the
+// registers, and a 6-row forward then passed over each block twice with the reading stalled during the second pass.
 #include <torch/library.h>
 #include <torch/torch.h>
 #include <ATen/Parallel.h>
@@ -34,36 +37,29 @@ inline __m256 widen(const uint16_t* p) {
   else return _mm256_cvtph_ps(h);
 }
 
-// c[m, 0:16] (+)= sum over kc inputs of x[m, k] * w[k, 0:16] for MR <= 3 rows, in registers: U = 2 independent sets
-// of MR x 2 accumulators over consecutive inputs (chains for the FMA's latency), the same U for every MR. The
-// accumulators start from c (load_c) instead of being added to it at the end: a branch there made GCC keep them on
-// the stack (half the speed). PF: prefetch the panel ahead (the first row block of a panel's pass only). BF16: the
-// panel holds bf16 weights (else fp16).
+// c[m, 0:16] (+)= sum over kc inputs of x[m, k] * w[k, 0:16] for MR <= 6 rows, in registers: MR x 2 accumulators,
+// one FMA chain each over consecutive inputs. The accumulators start from c (load_c) instead of being added to it at
+// the end: a branch there made GCC keep them on the stack (half the speed). PF: prefetch the panel ahead (the first
+// row block of a panel's pass only). BF16: the panel holds bf16 weights (else fp16).
 template <int MR, bool PF, bool BF16>
 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, float* c, bool load_c) {
-  constexpr int U = 2;  // the same for every MR: a row's sum order never depends on the rows beside it
-  __m256 acc[U][MR][2];
+  __m256 acc[MR][2];
 #pragma GCC unroll 6
   for (int m = 0; m < MR; ++m) {
-    acc[0][m][0] = load_c ? _mm256_loadu_ps(c + m * 16) : _mm256_setzero_ps();
-    acc[0][m][1] = load_c ? _mm256_loadu_ps(c + m * 16 + 8) : _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (int u = 1; u < U; ++u) acc[u][m][0] = acc[u][m][1] = _mm256_setzero_ps();
+    acc[m][0] = load_c ? _mm256_loadu_ps(c + m * 16) : _mm256_setzero_ps();
+    acc[m][1] = load_c ? _mm256_loadu_ps(c + m * 16 + 8) : _mm256_setzero_ps();
   }
   int64_t k = 0;
-  for (; k + U <= kc; k += U) {
-    if constexpr (PF) {  // one prefetch per 64-byte line of the panel (U * 32 bytes an iteration)
-#pragma GCC unroll 4
-      for (int u = 0; u < (U + 1) / 2; ++u) _mm_prefetch(reinterpret_cast<const char*>(w + (k + 2 * u) * 16) + PF_AHEAD, _MM_HINT_T0);
-    }
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
+  for (; k + 2 <= kc; k += 2) {  // two inputs an iteration: one 64-byte line of the panel
+    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PF_AHEAD, _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int u = 0; u < 2; ++u) {
       const __m256 w0 = widen<BF16>(w + (k + u) * 16), w1 = widen<BF16>(w + (k + u) * 16 + 8);
 #pragma GCC unroll 6
       for (int m = 0; m < MR; ++m) {
         const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k + u);
-        acc[u][m][0] = _mm256_fmadd_ps(xb, w0, acc[u][m][0]);
-        acc[u][m][1] = _mm256_fmadd_ps(xb, w1, acc[u][m][1]);
+        acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
       }
     }
   }
@@ -72,21 +68,18 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, fl
 #pragma GCC unroll 6
     for (int m = 0; m < MR; ++m) {
       const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
-      acc[0][m][0] = _mm256_fmadd_ps(xb, w0, acc[0][m][0]);
-      acc[0][m][1] = _mm256_fmadd_ps(xb, w1, acc[0][m][1]);
+      acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
     }
   }
 #pragma GCC unroll 6
   for (int m = 0; m < MR; ++m) {
-    __m256 s0 = acc[0][m][0], s1 = acc[0][m][1];
-#pragma GCC unroll 4
-    for (int u = 1; u < U; ++u) { s0 = _mm256_add_ps(s0, acc[u][m][0]); s1 = _mm256_add_ps(s1, acc[u][m][1]); }
-    _mm256_storeu_ps(c + m * 16, s0);
-    _mm256_storeu_ps(c + m * 16 + 8, s1);
+    _mm256_storeu_ps(c + m * 16, acc[m][0]);
+    _mm256_storeu_ps(c + m * 16 + 8, acc[m][1]);
   }
 }
 
-constexpr int64_t MR_MAX = 3;  // rows per block: 3 x 2 x U = 12 accumulators in the 16 ymm registers
+constexpr int64_t MR_MAX = 6;  // rows per block: 6 x 2 = 12 accumulators, 2 weights and a broadcast in 16 ymm registers
 
 // Calls f with the row count 1..MR_MAX as a compile-time constant.
 template <typename F>
@@ -94,7 +87,10 @@ inline void with_rows(int64_t mr, F&& f) {
   switch (mr) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 3>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
   }
 }
 
