@@ -10,8 +10,8 @@ and whether the outputs are bit-identical; for scale, also the rate at which a p
 ``sum`` reads the same weights. The packed kernel is timed again on 1536x1536 weights of ``--resident-mb`` in all,
 which stay in the last-level cache: the rate at which it computes when memory is not what holds it back.
 ``compute_over_memory`` is that rate over the rate from memory: well above 1, the products over that many rows
-wait on memory and further rows are nearly free; near 1, they wait on arithmetic, and no overlap of the
-arithmetic with the weights' reading can make them much faster. Appends one JSON line to --out.
+wait on memory and further rows are nearly free; near 1, on the kernel's own work (its FMAs, or its passes over
+each block of weights; the in-cache calls are short, so their fixed cost counts too). Appends one JSON line to --out.
 """
 
 from __future__ import annotations
