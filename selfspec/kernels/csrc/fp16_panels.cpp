@@ -6,16 +6,17 @@
 // widened to fp32 by a shift: the same fp32 weights, so the same products in the same order. The products run in
 // fp32 on AVX2 + FMA + F16C: each 16-output panel is read once per call for all M rows, in blocks of up to 6 rows x 16
 // outputs (twelve ymm accumulators, each weight widened once per block), the panel's blocks of 256 inputs kept in L1
-// across the row blocks. Up to 6 rows thus cost one pass over the weights whose FMAs run under the reading: a forward
-// over 6 rows reads the weights about as fast as over one. fbgemm's fp16 kernel, which this replaces on such CPUs,
-// handles 6 rows at a time and reads every weight again for each further 6 (docs/log.md). The sums run in fp32 in
-// another order than fbgemm's: the same numbers up to rounding, rounded once to the output's dtype.
+// across the row blocks. Up to 6 rows thus take one pass over the weights, their FMAs running under the reading: on a
+// 2-core Zen 3 a 6-row product costs about 1.3 one-row products (docs/kernels.md). fbgemm's fp16 kernel, which this
+// replaces on such CPUs, handles 6 rows at a time and reads every weight again for each further 6 (docs/log.md). The
+// sums run in fp32 in another order than fbgemm's: the same numbers up to rounding, rounded once to the output's
+// dtype.
 //
 // Row-invariant: every row's sum runs in the same order whatever the call's row count or the row's place in it (one
 // chain of FMAs per output over the inputs, block after block), so a row computes the same bits in a one-row step as
 // in a verify (docs/numerics.md). One chain leaves a single row waiting on the FMA's latency, which still runs well
 // under the weights' reading; two interleaved chains per output (revisions 2 and 3) fitted only 3 rows in the
-// registers, and a 6-row forward then passed over each block twice with the reading stalled during the second pass.
+// registers, so a 6-row product passed over each block twice and cost about 1.7 one-row products.
 #include <torch/library.h>
 #include <torch/torch.h>
 #include <ATen/Parallel.h>
