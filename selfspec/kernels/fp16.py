@@ -5,8 +5,8 @@ exact fp16 copies of the bf16 weights (:mod:`selfspec.kernels.packed`). fbgemm's
 and reads every weight again for each further 6, so on a 2-core Zen 3 a 1.5B forward over 8 rows cost 2.3x one over a
 single row, and over 6 rows 1.45x (``scripts/verify_width.py``, docs/log.md). This kernel keeps the same fp16 copies
 in panels of 16 outputs and reads each panel once for all rows of a call, in blocks of up to 6 rows whose products run
-under the reading: on a 2-core Zen 3 a forward of the 1.5B over 6 rows costs 1.29 plain steps over one
-(docs/kernels.md), and each further 6 rows add a pass over the weights from cache. The sums run in fp32 as fbgemm's
+under the reading: on a 2-core Zen 3 a forward of the 1.5B over 6 rows costs 1.22-1.29 plain steps over
+one (docs/kernels.md), and each further 6 rows add a pass over the weights from cache. The sums run in fp32 as fbgemm's
 do, in another order: the same numbers up to rounding. A weight that fp16 does not hold exactly (a bf16 value below
 fp16's subnormals) keeps its bf16 values in the same panels (:func:`pack` with ``dtype=torch.bfloat16``), which the
 kernel widens by a shift: the same fp32 weights and sums as an fp16 panel of the same values, so every row stays
