@@ -50,21 +50,7 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, fl
     acc[m][0] = load_c ? _mm256_loadu_ps(c + m * 16) : _mm256_setzero_ps();
     acc[m][1] = load_c ? _mm256_loadu_ps(c + m * 16 + 8) : _mm256_setzero_ps();
   }
-  int64_t k = 0;
-  for (; k + 2 <= kc; k += 2) {  // two inputs an iteration: one 64-byte line of the panel
-    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PF_AHEAD, _MM_HINT_T0);
-#pragma GCC unroll 2
-    for (int u = 0; u < 2; ++u) {
-      const __m256 w0 = widen<BF16>(w + (k + u) * 16), w1 = widen<BF16>(w + (k + u) * 16 + 8);
-#pragma GCC unroll 6
-      for (int m = 0; m < MR; ++m) {
-        const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k + u);
-        acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
-      }
-    }
-  }
-  for (; k < kc; ++k) {
+  const auto input = [&](int64_t k) __attribute__((always_inline)) {  // every row's FMAs for input k
     const __m256 w0 = widen<BF16>(w + k * 16), w1 = widen<BF16>(w + k * 16 + 8);
 #pragma GCC unroll 6
     for (int m = 0; m < MR; ++m) {
@@ -72,7 +58,14 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, fl
       acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
       acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
     }
+  };
+  int64_t k = 0;
+  for (; k + 2 <= kc; k += 2) {  // two inputs an iteration: one 64-byte line of the panel
+    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PF_AHEAD, _MM_HINT_T0);
+    input(k);
+    input(k + 1);
   }
+  if (k < kc) input(k);  // an odd input count's last input
 #pragma GCC unroll 6
   for (int m = 0; m < MR; ++m) {
     _mm256_storeu_ps(c + m * 16, acc[m][0]);
