@@ -1,11 +1,12 @@
 // int4 weights x int8 activations: the draft's int4 products (selfspec/kernels/vnni.py).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] for bf16 x [M, K] and int4 w, where w = (q - 8) * scale + zero per group of G
-// inputs (the values torch's _weight_int4pack_mm_for_cpu computes with). x is rounded to int8 per block of 64
-// inputs (one scale each); the integer products run on AVX-512 VNNI's _mm512_dpbusd_epi32 (4 u8 x s8 products per
-// lane) where the build targets it (__AVX512VNNI__), else on AVX2's _mm256_maddubs_epi16 + _mm256_madd_epi16 (the
-// same sums of 4 products per lane: a pair of products, at most 2 * 15 * 127, fits in int16). The integer sums are
-// the same on both; only the order of the float sums differs.
+// inputs (the values torch's _weight_int4pack_mm_for_cpu computes with). x is rounded to int8 with one scale per
+// block of ACT_BLOCK inputs (64 on AVX-512, 128 on AVX2); the integer products run on AVX-512 VNNI's
+// _mm512_dpbusd_epi32 (4 u8 x s8 products per lane) where the build targets it (__AVX512VNNI__), else on AVX2's
+// _mm256_maddubs_epi16 + _mm256_madd_epi16 (sums of 4 products per lane: a pair of products, at most 2 * 15 * 127,
+// fits in int16). The two builds round the activations in blocks of different sizes, so their numbers differ by
+// more than the order of the float sums.
 //
 // Layout of w: [N, K/2] uint8; each 64 bytes hold 128 inputs, byte j = q[j] | q[j + 64] << 4.
 // Layout of sz: [N, K/G, 2] bf16 (scale, zero). K % 128 == 0, G in {32, 64, 128, 256}, G | K.
@@ -57,40 +58,59 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
 }
 
-// The AVX-512 build's quantize_block on 256-bit vectors (the same values).
-inline float quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2]) {
-  __m256 v[8];
-  __m256 top = _mm256_setzero_ps();
-  for (int j = 0; j < 8; ++j) {
-    v[j] = load_bf16(x + 8 * j);
-    top = vmax(top, vabs(v[j]));
-  }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1))), inv = amax > 0.f ? 127.f / amax : 0.f;
+// The AVX-512 build's quantize_block on 256-bit vectors (the same values), for a block of 64 inputs rounded with the
+// scale of a larger block (the AVX2 build's blocks are 128 inputs: block_amax): inv = 127 / that block's amax.
+inline void quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2], float inv) {
   const __m256 s = _mm256_set1_ps(inv);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' interleaving of lanes
   __m256i t[8];
-  for (int j = 0; j < 8; ++j) t[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], s)), lo), hi);
+  for (int j = 0; j < 8; ++j)
+    t[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(load_bf16(x + 8 * j), s)), lo), hi);
   for (int j = 0; j < 8; j += 4) {  // 32 values to 32 bytes
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(t[j], t[j + 1]), _mm256_packs_epi32(t[j + 2], t[j + 3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * j), _mm256_permutevar8x32_epi32(bytes, order));
     sum[j / 4] = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(t[j], t[j + 1]), _mm256_add_epi32(t[j + 2], t[j + 3])));
   }
-  return amax;
+}
+
+// the largest magnitude of n inputs (n a multiple of 8)
+inline float block_amax(const at::BFloat16* x, int64_t n) {
+  __m256 top = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) top = vmax(top, vabs(load_bf16(x + j)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 
 #endif
 
-// Per row m: xq int8 [M, K], xs [M, K/64] the block scales, xg [M, K/G] each group's sum of the *rounded*
-// activations (xs * xq), so that the zero point's term and the integer products see the same inputs.
+// Inputs per activation scale: 64 on AVX-512 (a block of 64 is one vpdpbusd), 128 on AVX2, where one scale for the
+// 128 inputs of 64 packed bytes lets their four vpmaddubsw sums meet in int16 and take one vpmaddwd, one conversion
+// and one multiply-add where blocks of 64 take two of each (groups of 128 and 256: rows_block_wide).
+#if defined(__AVX512F__)
+constexpr int64_t ACT_BLOCK = 64;
+#else
+constexpr int64_t ACT_BLOCK = 128;
+#endif
+
+// Per row m: xq int8 [M, K], xs [M, K/64] each block of 64's scale (on AVX2 the same for the two of 128 inputs), xg
+// [M, K/G] each group's sum of the *rounded* activations (xs * xq), so that the zero point's term and the integer
+// products see the same inputs.
 void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* xs, float* xg) {
   const int64_t blocks = K / 64;
   for (int64_t m = 0; m < M; ++m) {
+    float amax = 0.f;
     for (int64_t b = 0; b < blocks; ++b) {
       int32_t sum[2];  // of each 32 inputs
-      const float scale = quantize_block(x + m * K + b * 64, xq + m * K + b * 64, sum) / 127.f;
+      const at::BFloat16* xb = x + m * K + b * 64;
+#if defined(__AVX512F__)
+      amax = quantize_block(xb, xq + m * K + b * 64, sum);
+#else
+      if (b % 2 == 0) amax = block_amax(xb, ACT_BLOCK);
+      quantize_block(xb, xq + m * K + b * 64, sum, amax > 0.f ? 127.f / amax : 0.f);
+#endif
+      const float scale = amax / 127.f;
       xs[m * blocks + b] = scale;
       for (int j = 0; j < 2; ++j) {
         const int64_t k0 = b * 64 + j * 32, g = k0 / G;
@@ -279,21 +299,66 @@ void rows_block(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, cons
   }
 }
 
-// The zero points' term of a row of groups of 32: the sum over groups of (z - 8 s) a, which is the dot product of
-// the row's (s, z) pairs with XZ's (-8 a, a) pairs, 8 floats a step (bf16 -> fp32 is a shift of 16 bits; 2 x K/32
-// floats, a multiple of 8). Once a row, apart from the products: inside the loop over blocks it took as many
-// instructions as the integer products themselves.
-inline float zero_term_g32(const uint16_t* szr, const float* xz, int64_t pairs) {
+// The zero points' term of a row: the sum over its groups of (z - 8 s) a, which is the dot product of the row's (s, z)
+// pairs with XZ's (-8 a, a) pairs, 8 floats a step and the last few one at a time (bf16 -> fp32 is a shift of 16
+// bits). Once a row, apart from the products: inside the loop over blocks it took as many instructions as the
+// integer products themselves (groups of 32).
+inline float zero_term(const uint16_t* szr, const float* xz, int64_t groups) {
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t j = 0; j < 2 * pairs; j += 8) {
+  int64_t j = 0;
+  for (; j + 8 <= 2 * groups; j += 8) {
     const __m256i raw = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(szr + j)));
     acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)), _mm256_loadu_ps(xz + j), acc);
   }
-  return hsum(acc);
+  float rest = hsum(acc);
+  for (; j < 2 * groups; ++j) rest += static_cast<float>(at::BFloat16(szr[j], at::BFloat16::from_bits())) * xz[j];
+  return rest;
+}
+
+// Groups of 128 or 256: the four integer sums of a chunk (its 128 inputs share one activation scale) meet in int16
+// (four pairs, at most 4 x 3810, fit), then one vpmaddwd, one conversion and one multiply-add by the scale; each
+// group's scale is broadcast from its (scale, zero) pair's 32 bits (a shift of 16 makes the bf16 in the low half
+// an fp32), and the zero points' term is taken once a row (zero_term).
+template <int MB>
+void rows_block_wide(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, const float* XS, const float* XZ,
+                     at::BFloat16* Y, int64_t K, int64_t N, int64_t G, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t groups = K / G, chunks_per_group = G / 128, blocks = K / 64;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = W + n * (K / 2);
+    const int32_t* sz32 = reinterpret_cast<const int32_t*>(SZ) + n * groups;
+    __m256 acc[MB], acc_g[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = acc_g[i] = _mm256_setzero_ps();
+    int64_t g = 0, e = 0;  // the group, and the chunks of it done
+    for (int64_t c = 0; c < blocks / 2; ++c) {
+      __m256i q[4];
+      chunk_q(wr, c, q);
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* a = XQ + (m0 + i) * K + c * 128;
+        const __m256i p = _mm256_add_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(q[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                             _mm256_maddubs_epi16(q[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32)))),
+            _mm256_add_epi16(_mm256_maddubs_epi16(q[2], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 64))),
+                             _mm256_maddubs_epi16(q[3], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 96)))));
+        acc_g[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                                   _mm256_set1_ps(XS[(m0 + i) * blocks + 2 * c]), acc_g[i]);
+      }
+      if (++e < chunks_per_group) continue;
+      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi32(sz32[g]), 16));
+      for (int i = 0; i < MB; ++i) {
+        acc[i] = _mm256_fmadd_ps(acc_g[i], s, acc[i]);
+        acc_g[i] = _mm256_setzero_ps();
+      }
+      ++g, e = 0;
+    }
+    const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz32);
+    for (int i = 0; i < MB; ++i)
+      Y[(m0 + i) * N + n] = at::BFloat16(hsum(acc[i]) + zero_term(szr, XZ + (m0 + i) * 2 * groups, groups));
+  }
 }
 
 // Groups of 32: the two halves of a block are the block's two groups, each with its own scale; XZ [M, 2 K/32]
-// holds each group's (-8 a, a) for the zero points' term (zero_term_g32).
+// holds each group's (-8 a, a) for the zero points' term (zero_term).
 template <int MB>
 void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, const float* XS, const float* XZ,
                     at::BFloat16* Y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
@@ -321,7 +386,7 @@ void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, 
       }
     }
     for (int i = 0; i < MB; ++i)
-      Y[(m0 + i) * N + n] = at::BFloat16(hsum(acc[i]) + zero_term_g32(szr, XZ + (m0 + i) * 2 * groups, groups));
+      Y[(m0 + i) * N + n] = at::BFloat16(hsum(acc[i]) + zero_term(szr, XZ + (m0 + i) * 2 * groups, groups));
   }
 }
 
@@ -359,9 +424,10 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   const float* XS = xs.data_ptr<float>();
   const float* XG = xg.data_ptr<float>();
 #if !defined(__AVX512VNNI__)
-  // AVX2, groups of 32: each group's (-8 a, a), for the zero points' term as one dot product a row
-  auto xz = torch::empty({M, G == 32 ? 2 * (K / G) : 0}, torch::kFloat);
-  if (G == 32) {
+  // AVX2, groups of 32, 128 and 256: each group's (-8 a, a), for the zero points' term as one dot product a row
+  const bool pairs = G == 32 || G % 128 == 0;
+  auto xz = torch::empty({M, pairs ? 2 * (K / G) : 0}, torch::kFloat);
+  if (pairs) {
     float* z = xz.data_ptr<float>();
     for (int64_t j = 0; j < M * (K / G); ++j) z[2 * j] = -8.f * XG[j], z[2 * j + 1] = XG[j];
   }
@@ -375,6 +441,9 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
       by_rows(std::min<int64_t>(4, M - m0), [&](auto rows) {
         constexpr int MB = decltype(rows)::value;
         if (G == 32) rows_block_g32<MB>(W, SZ, XQ, XS, XZ, Y, K, N, m0, n0, n1);
+#if !defined(__AVX512VNNI__)
+        else if (G % 128 == 0) rows_block_wide<MB>(W, SZ, XQ, XS, XZ, Y, K, N, G, m0, n0, n1);
+#endif
         else rows_block<MB>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1);
       });
     }
