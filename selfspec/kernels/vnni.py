@@ -2,16 +2,17 @@
 
 torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) multiplies bf16 activations by int4 weights in
 floating point; for one row it reads about 38 G weights/s on a 2-core Zen 4, where the bandwidth would carry ~60 G
-(int4 is 0.5 byte a weight). llama.cpp's way is faster: round the activations to int8 (one scale per block of 64)
-and sum the products of bytes in integers (``vpdpbusd``, 64 multiply-adds an instruction). This kernel does that
-for the draft's int4 copies. The weights are the same int4 values as torch's kernel's (the same groups, scales and
-zero points, in another layout); only the activations are rounded, to 8 bits, which adds ~0.6% relative error to a
-product whose int4 weights are off by several percent already (``scripts/draft_kernels.py`` measures both, and the
-agreement with the full model).
+(int4 is 0.5 byte a weight). llama.cpp's way is faster: round the activations to int8 (one scale per block of
+inputs, :data:`ACT_BLOCKS`) and sum the products of bytes in integers (``vpdpbusd``, 64 multiply-adds an
+instruction). This kernel does that for the draft's int4 copies. The weights are the same int4 values as torch's
+kernel's (the same groups, scales and zero points, in another layout); only the activations are rounded, to 8 bits,
+which adds ~0.6% relative error to a product whose int4 weights are off by several percent already
+(``scripts/draft_kernels.py`` measures both, and the agreement with the full model).
 
 On a CPU without AVX-512 VNNI but with AVX2 and FMA (a Zen 3, say) the same kernel is built for 256-bit vectors,
-with ``vpmaddubsw`` + ``vpmaddwd`` in place of ``vpdpbusd`` (the same integer sums): on a 2-core Zen 3 it reads 34-38
-G int4 weights/s at one row, 3.7-4.1x what fbgemm's fp16 copies of a plain step read (docs/log.md).
+with ``vpmaddubsw`` + ``vpmaddwd`` in place of ``vpdpbusd``, and one activation scale per 128 inputs instead of 64,
+so that groups of 128 and 256 take one integer sum per 64 packed bytes; on a 2-core Zen 3 it reads ~41 G int4 weights/s
+at one row at g128 (docs/kernels.md).
 :func:`isa` says which build runs; the name ``int4-vnni`` stays the kernel's (its layout and its method).
 
 It is compiled on first use with torch's ``cpp_extension`` (g++ and ninja; ~20 s, once per machine and torch
