@@ -107,7 +107,7 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G, int8_
 #if defined(__AVX512F__)
       amax = quantize_block(xb, xq + m * K + b * 64, sum);
 #else
-      if (b % 2 == 0) amax = block_amax(xb, ACT_BLOCK);
+      if (b % (ACT_BLOCK / 64) == 0) amax = block_amax(xb, ACT_BLOCK);  // the first block of 64 of each ACT_BLOCK
       quantize_block(xb, xq + m * K + b * 64, sum, amax > 0.f ? 127.f / amax : 0.f);
 #endif
       const float scale = amax / 127.f;
