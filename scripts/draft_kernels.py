@@ -16,6 +16,11 @@ Two measurements, appended as one JSON line to --out:
 - agreement: on one calibration prompt of each task set, the full model's greedy continuation
   (``--tokens``), then one teacher-forced forward with every decoder linear through each kernel;
   the share of positions whose argmax equals the full model's (the LM head stays bf16).
+- the VNNI kernel's rounding of the activations to int8: on the inputs every decoder linear takes at the
+  continuations' positions of the full model's forwards over those sequences, its product against the same int4
+  weights (g128) times the unrounded activations in float64; the relative error ||y - y64|| / ||y64|| of each
+  linear, median and largest over the linears, through the kernel and with the rounding emulated in blocks of 64
+  and of 128 inputs (the AVX-512 and AVX2 builds'), beside what rounding the exact product to bf16 alone gives.
 
 The dynamic kernel is not a draft option: this script is why (see docs/log.md).
 """
@@ -99,7 +104,50 @@ def speeds(layers: int, reps: int) -> dict[str, float]:
     return {name: round(n_weights / t / 1e9, 1) for name, t in best.items()}
 
 
-def agreement(model_name: str, tokens: int) -> dict[str, float]:
+def _outer_linears(layers: nn.Module) -> list[nn.Module]:
+    """The decoder's linears as the forward calls them: each nn.Linear, or the outermost wrapper around one."""
+    inner = {id(m.inner) for m in layers.modules() if isinstance(m, LinearWrapper)}
+    return [m for m in layers.modules() if isinstance(m, (nn.Linear, LinearWrapper)) and id(m) not in inner]
+
+
+def _weight(m: nn.Module) -> torch.Tensor:
+    while isinstance(m, LinearWrapper):
+        m = m.inner
+    return m.weight.detach()
+
+
+def rounding_error(model: nn.Module, seqs: list, tokens: int, group: int = 128) -> dict:
+    """What the VNNI kernel's int8 rounding of the activations costs: on the inputs the decoder linears take at the
+    last ``tokens`` positions of the full model's forwards over ``seqs``, each linear's relative error against the
+    float64 product with the same int4 weights (median and largest over the linears), through the kernel and with
+    the rounding emulated per block of 64 and of 128 inputs (the AVX-512 and AVX2 builds'), beside what rounding
+    the exact product to bf16 alone gives."""
+    linears = _outer_linears(model.model.layers)
+    inputs: dict[nn.Module, list[torch.Tensor]] = {m: [] for m in linears}
+    hooks = [m.register_forward_pre_hook(lambda m, a: inputs[m].append(a[0].reshape(-1, a[0].shape[-1])[-tokens:]))
+             for m in linears]
+    errs: dict[str, list[float]] = {"kernel": [], "blocks of 64": [], "blocks of 128": [], "bf16 output": []}
+    with torch.inference_mode():
+        for _, ids in seqs:
+            model(ids)
+        for h in hooks:
+            h.remove()
+        for m in linears:
+            x = torch.cat(inputs.pop(m))
+            _, q, sz = quantize(_weight(m), "int4", group, "int4-vnni")
+            w64 = vnni.dequantize(q, sz, group)
+            y64 = x.double() @ w64.T
+            norm = y64.norm()
+            outs = {"kernel": vnni.mm(x, q, sz, group).double(), "bf16 output": y64.to(torch.bfloat16).double(),
+                    **{f"blocks of {b}": vnni.round_activations(x, b) @ w64.T for b in (64, 128)}}
+            for name, y in outs.items():
+                errs[name].append(float((y - y64).norm() / norm))
+    summary = {name: {"median": round(float(torch.tensor(e).median()), 5), "max": round(max(e), 5)}
+               for name, e in errs.items()}
+    return {**summary, "linears": len(linears), "rows": x.shape[0], "group": group}
+
+
+def agreement(model_name: str, tokens: int) -> tuple[dict[str, float], dict | None]:
     lm = load_model(model_name)
     model = lm.model
     prompts = calibration_prompts(lm.tokenizer, ["humaneval", "gsm8k", "mtbench", "summarization"], 1)
@@ -109,6 +157,11 @@ def agreement(model_name: str, tokens: int) -> dict[str, float]:
             cont = autoregressive(model, p, DecodeConfig(max_new_tokens=tokens), lm.eos_ids).tokens
             seqs.append((len(p), torch.tensor([p + cont])))
         ref = [model(ids).logits[0, n - 1 : -1].argmax(-1) for n, ids in seqs]
+    errors = rounding_error(model, seqs, tokens) if vnni.available() else None
+    if errors:
+        print(f"int8 activations, relative error against float64 products over {errors['linears']} linears "
+              f"(median / largest): " + ", ".join(f"{name} {e['median']:.2%} / {e['max']:.2%}" for name, e in errors.items()
+                                                  if isinstance(e, dict)), flush=True)
     layers = model.model.layers
     low = wrap_descendants(layers, LowPrecisionLinear, match=lambda m: isinstance(m, nn.Linear),
                            make=lambda m: LowPrecisionLinear(m, "int8", 32), on_existing=lambda m: None)
@@ -138,7 +191,7 @@ def agreement(model_name: str, tokens: int) -> dict[str, float]:
             m.active = False
         out[name] = round(hits / total, 3)
         print(f"{name:24s} argmax agrees with the full model on {out[name]:.3f} of {total} positions", flush=True)
-    return out
+    return out, errors
 
 
 def main() -> None:
@@ -154,10 +207,11 @@ def main() -> None:
     rates = speeds(args.layers, args.reps)
     for name, r in rates.items():
         print(f"{name:24s} {r:6.1f} G weights/s at one row", flush=True)
-    agree = None if args.no_agreement else agreement(args.model, args.tokens)
+    agree, errors = (None, None) if args.no_agreement else agreement(args.model, args.tokens)
     row = {"model": args.model, "layers": args.layers, "reps": args.reps,
            **({} if agree is None else {"tokens": args.tokens}),
-           "g_weights_per_s": rates, "argmax_agreement": agree, "torch": torch.__version__,
+           "g_weights_per_s": rates, "argmax_agreement": agree, "activation_rounding_error": errors,
+           "int4_act_block": vnni.ACT_BLOCKS.get(vnni.isa()) if vnni.available() else None, "torch": torch.__version__,
            "machine": machine_fingerprint(), "commit": git_commit()}
     append_row(args.out, row, echo=False)
 

@@ -227,6 +227,21 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([blocks & 15, blocks >> 4], dim=2).reshape(n, 2 * half)
 
 
+def dequantize(packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The weights [N, K] the kernel multiplies by, ``(q - 8) * scale + zero`` per group, in float64 (for tests and
+    checks)."""
+    scale, zero = (scale_zero[..., i].double().repeat_interleave(group_size, dim=1) for i in (0, 1))
+    return (unpack(packed).double() - 8) * scale + zero
+
+
+def round_activations(x2: torch.Tensor, block: int) -> torch.Tensor:
+    """``x2`` [M, K] as the kernel rounds it, in float64: int8 with one scale per ``block`` inputs (the build's
+    :data:`ACT_BLOCKS`), scale = the block's largest magnitude / 127 (for tests and checks)."""
+    xb = x2.double().reshape(x2.shape[0], -1, block)
+    s = xb.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(xb / torch.where(s > 0, s, 1)).clamp(-127, 127) * s).reshape(x2.shape)
+
+
 def mm(x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """``x2 @ w.T`` for bf16 ``x2`` [M, K] and the int4 weight :func:`pack` laid out; bf16 [M, N]."""
     return _module().int4_mm(x2.contiguous(), packed, scale_zero, group_size)

@@ -18,13 +18,8 @@ def _reference(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
     """What the kernel computes, in float64: the int4 weights (torch's groups) times the activations rounded to
     int8 per block of the build's inputs (64 on AVX-512, 128 on AVX2)."""
     kernel, packed, sz = quantize(w, "int4", group, kernel="int4-vnni")
-    q = vnni.unpack(packed).double()
-    scale, zero = (sz[..., i].double().repeat_interleave(group, dim=1) for i in (0, 1))
-    wd = (q - 8) * scale + zero
-    xb = x.double().reshape(x.shape[0], -1, vnni.ACT_BLOCKS[vnni.isa()])
-    s = xb.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(xb / torch.where(s > 0, s, 1)).clamp(-127, 127) * s).reshape(x.shape)
-    return xq @ wd.t()
+    wd = vnni.dequantize(packed, sz, group)
+    return vnni.round_activations(x, vnni.ACT_BLOCKS[vnni.isa()]) @ wd.t()
 
 
 def test_pack_and_unpack_are_inverse():
