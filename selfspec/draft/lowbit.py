@@ -39,7 +39,11 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.to(w.dtype)
 
 
-FITS = ("minmax", "lsq", "grid")  # how an int4 group's scale and zero are chosen (DraftOptions.int4_fit)
+FITS = ("minmax", "lsq", "grid", "lsq3", "lsq2")  # how an int4 group's scale and zero are chosen (DraftOptions.int4_fit)
+# fits that give each group fewer of the 16 levels: what 3- or 2-bit weights would make the draft accept, computed on
+# the int4 kernel at its cost (a measurement for the route bounds, selfspec.inspect.route_bounds; no kernel here reads
+# fewer bits); a quantized head keeps 16 levels (selfspec.draft.head)
+FEWER_LEVELS = {"lsq3": 8, "lsq2": 4}
 LSQ_ROUNDS = 4  # refinements of the least-squares fit; each group keeps its smallest error seen
 # a group lies on a 4-bit grid when its distinct values are at most 16 even steps apart, each within this
 # fraction of a step of its level (a bf16 copy of 4-bit values is off by at most 2^-9 of a value: far less)
@@ -55,7 +59,8 @@ def _int4_groups(w: torch.Tensor, group: int, fit: str = "minmax") -> tuple[torc
 
     ``fit``: ``minmax`` spans each group's range in 16 even steps; ``lsq`` starts there and refits each group's
     step and offset to its weights by least squares given its values, then rounds again, :data:`LSQ_ROUNDS`
-    times, keeping per group the fit with the smallest squared error (never worse than ``minmax``'s); ``grid``
+    times, keeping per group the fit with the smallest squared error (never worse than ``minmax``'s); ``lsq3`` and
+    ``lsq2`` do the same on 8 and 4 levels (:data:`FEWER_LEVELS`: values 0..7 and 0..3); ``grid``
     gives a group that lies on a 4-bit grid of its own (:func:`_on_grid`) that grid, and every other group the
     ``lsq`` fit: a checkpoint dequantized from 4-bit blocks of ``group`` inputs (GGUF's Q4_K and Q4_1 blocks of
     32) gets its own values back, up to their bf16 rounding; wider groups, whose blocks have steps of their own,
@@ -65,15 +70,16 @@ def _int4_groups(w: torch.Tensor, group: int, fit: str = "minmax") -> tuple[torc
         raise SelfSpecError(f"int4 needs in_features ({k}) divisible by group_size ({group})")
     if fit not in FITS:
         raise SelfSpecError(f"int4 fit must be one of {', '.join(FITS)}, got {fit!r}")
+    top = FEWER_LEVELS.get(fit, 16) - 1  # the highest value
     qs, scales, zeros = [], [], []
     rows = max(1, _CHUNK // k)
     for r0 in range(0, n, rows):
         wg = w[r0:r0 + rows].float().reshape(-1, k // group, group)
         lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-        step = ((hi - lo) / 15.0).clamp(min=1e-8)
-        q = torch.round((wg - lo) / step).clamp(0, 15)
-        if fit == "lsq":
-            q, step, lo = _refit(wg, q, step, lo)
+        step = ((hi - lo) / top).clamp(min=1e-8)
+        q = torch.round((wg - lo) / step).clamp(0, top)
+        if fit.startswith("lsq"):
+            q, step, lo = _refit(wg, q, step, lo, top)
         elif fit == "grid":
             gq, ga, gb, on = _on_grid(wg)
             off = ~on.squeeze(-1)
@@ -95,14 +101,14 @@ def _line(wg: torch.Tensor, wm: torch.Tensor, v: torch.Tensor, fallback) -> tupl
     return a, wm - a * vm
 
 
-def _refit(wg: torch.Tensor, q: torch.Tensor, step: torch.Tensor, lo: torch.Tensor) -> tuple:
-    """The ``lsq`` fit of groups ``wg`` [R, G, group] from the values ``q`` = round((wg - lo) / step)."""
+def _refit(wg: torch.Tensor, q: torch.Tensor, step: torch.Tensor, lo: torch.Tensor, top: int = 15) -> tuple:
+    """The ``lsq`` fit of groups ``wg`` [R, G, group] from the values ``q`` = round((wg - lo) / step) in 0..``top``."""
     best = ((q * step + lo - wg) ** 2).sum(-1, keepdim=True)
     wm = wg.mean(-1, keepdim=True)
     a, b, v = step, lo, q
     for _ in range(LSQ_ROUNDS):
         a, b = _line(wg, wm, v, a)
-        v = torch.round((wg - b) / a).clamp(0, 15)
+        v = torch.round((wg - b) / a).clamp(0, top)
         err = ((v * a + b - wg) ** 2).sum(-1, keepdim=True)
         better = err < best
         q, step, lo = torch.where(better, v, q), torch.where(better, a, step), torch.where(better, b, lo)

@@ -20,7 +20,10 @@ bounds its route from above. Prices come from a cost model measured now, on the 
   layers and always agrees with the draft, which checks a round's tokens in one forward at the cost of one draft
   step before the full model verifies them (ML-SpecQD's cascade, without a second model).
 - ``bits b``: the draft's layers in ``b``-bit weights at ``b``/4 of their int4 cost (weights read at the memory's
-  speed, scales ignored), no acceptance lost.
+  speed, scales ignored), no acceptance lost. ``bits b, simulated``: the same price for the draft whose int4 layers
+  take ``lsq`` groups on 2^b of their 16 levels (``int4_fit: lsq3 | lsq2``, the head kept at 16), simulated: what
+  those bits cost in acceptance. Not a bound on acceptance: a measurement; ``int4 lsq, simulated`` is the draft with
+  ``lsq`` groups on all 16 levels at its own price, to tell the fit from the bits.
 - ``skip everything``: every sublayer of the draft skipped at no acceptance lost (the draft step costs its
   embedding, norms, head and loop overhead): the most layer skipping can save over this draft.
 - ``skips of F``: the draft with the sublayers the draft file ``F`` skips (its attention ones, its MLP ones, both),
@@ -44,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from selfspec.draft.lowbit import FEWER_LEVELS
 from selfspec.draft.path import DraftPath
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.attention import decode_attention
@@ -176,10 +180,19 @@ def main(argv: list[str] | None = None) -> None:
         plan = DraftSpec.load(f).plan
         for what, attn, mlp in (("attention", plan.attn, ()), ("MLP", (), plan.mlp), ("all", plan.attn, plan.mlp)):
             skipped[f"skips of {Path(f).stem} ({what})"] = replace(spec, plan=SkipPlan(n, attn=tuple(attn), mlp=tuple(mlp)))
-    skip_counts = {}
+    # fewer bits in the draft's layers (lowbit.FEWER_LEVELS), simulated: each with its layers' cost scale
+    fits: dict[str, tuple[DraftSpec, float]] = {}
+    if fmt.startswith("int4"):
+        fits["int4 lsq, simulated"] = (spec.replace(options=replace(spec.options, int4_fit="lsq")), 1.0)
+        fits |= {f"bits {b}, simulated": (spec.replace(options=replace(spec.options, int4_fit=f"lsq{b}")), b / INT4_BITS)
+                 for b in args.bits if f"lsq{b}" in FEWER_LEVELS}
+    skip_counts, fit_counts = {}, {}
     for label, d in skipped.items():
         print(f"simulating {label}", file=sys.stderr, flush=True)
         skip_counts[label] = {g: sim.simulate(d, prompts=idx) for g, idx in groups}
+    for label, (d, _) in fits.items():
+        print(f"simulating {label}", file=sys.stderr, flush=True)
+        fit_counts[label] = {g: sim.simulate(d, prompts=idx) for g, idx in groups}
     print("measuring where the draft's tokens are decided", file=sys.stderr, flush=True)
     path = DraftPath(lm.model, spec.plan, spec.options, stop_ids=lm.eos_ids)
     exit_frac = {g: float(torch.cat([exit_layers(lm.model, path, prompts[i], conts[i], args.top) for i in idx])
@@ -201,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
             for b in args.bits:
                 routes.setdefault(f"bits {b}", {})[g] = with_layer_costs(costs, fmt, b / INT4_BITS).predicted_speedup(
                     counts[g], spec)
+        for label, (d, scale) in fits.items():
+            routes.setdefault(label, {})[g] = with_layer_costs(costs, fmt, scale).predicted_speedup(fit_counts[label][g], d)
     longest = max(costs.t_verify)
     context_costs = {}
     no_attn = replace(spec, plan=SkipPlan(n, attn=tuple(range(n)), mlp=spec.plan.mlp))
@@ -237,5 +252,6 @@ def main(argv: list[str] | None = None) -> None:
               "prompts": len(prompts), "routes": routes, "summary": summary, "exit_fraction": exit_frac,
               "contexts": context_costs, "counts": {g: c.to_dict() for g, c in counts.items()},
               "skip_counts": {label: {g: c.to_dict() for g, c in by.items()} for label, by in skip_counts.items()},
+              "fit_counts": {label: {g: c.to_dict() for g, c in by.items()} for label, by in fit_counts.items()},
               "costs": costs.to_dict()}
     append_row(args.out, record, echo=False)

@@ -53,7 +53,7 @@ def fitting_groups(dims: DraftDims, width: int) -> DraftDims:
 class DraftDims:
     weights: tuple[str, ...] = ("model", "int8", "int4")
     group_size: tuple[int, ...] = (32, 128)  # int4 groups; 32 lines up with the GGUF blocks of the packaged models
-    int4_fit: tuple[str, ...] = ("minmax",)  # int4 groups' scale and zero: minmax | lsq | grid (selfspec.draft.lowbit)
+    int4_fit: tuple[str, ...] = ("minmax",)  # int4 groups' scale and zero: lowbit.FITS
     head_tokens: tuple[int, ...] = (0, 16384, 32768)
     head_weights: tuple[str, ...] = ("model", "int4")  # the draft head's rows: model | int8 | int4 (int4: group_size)
     head_rescore: tuple[int, ...] = (8,)  # a quantized head's top ids rescored on the model's rows (0 = off)

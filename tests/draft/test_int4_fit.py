@@ -38,6 +38,31 @@ def test_the_least_squares_fit_errs_no_more_than_min_max_in_any_group(group):
         _int4_groups(w, group, "gptq")
 
 
+@pytest.mark.parametrize("fit, levels", [("lsq3", 8), ("lsq2", 4)])
+def test_fewer_level_fits_use_that_many_values_and_err_more_the_fewer_they_are(fit, levels):
+    torch.manual_seed(0)
+    w = torch.randn(64, 256).bfloat16()
+    q, scale, _ = _int4_groups(w, 32, fit)
+    assert int(q.min()) == 0 and int(q.max()) == levels - 1 and (scale > 0).all()
+    per_group = q.reshape(64, 8, 32)
+    assert all(len(g.unique()) <= levels for g in per_group.reshape(-1, 32))
+    err, lsq = _error(w, 32, fit).sum(), _error(w, 32, "lsq").sum()
+    assert err > 2 * lsq  # half the levels: about four times the squared error of an even grid
+    if levels == 4:
+        assert err > 2 * _error(w, 32, "lsq3").sum()
+
+
+def test_a_quantized_head_keeps_16_levels_where_the_layers_take_fewer():
+    model = tiny_model("llama", seed=3)
+    path = DraftPath(model, SkipPlan(model.config.num_hidden_layers),
+                     DraftOptions(weights="int4", head_weights="int4", int4_fit="lsq3"))
+    fewer = DraftPath(model, SkipPlan(model.config.num_hidden_layers),
+                      DraftOptions(weights="int4", head_weights="int4", int4_fit="lsq"))
+    assert torch.equal(path.head_low[3], fewer.head_low[3])  # the same head copy as the 16-level fit's
+    lin = path.linears[0]  # one wrapper of the model's linear, holding both copies
+    assert not torch.equal(lin.copy("int4", 32, "lsq3")[1], lin.copy("int4", 32, "lsq")[1])
+
+
 def _four_bit_blocks(n: int, k: int, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """A bf16 weight dequantized from 4-bit blocks as a GGUF Q4_K tensor is (value = step * q - offset, q in
     0..15, levels drawn unevenly so that most blocks miss some), and its levels q."""

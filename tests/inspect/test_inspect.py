@@ -94,7 +94,10 @@ def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, capsys, tiny_
 
 
 def test_route_bounds_price_each_route_on_the_drafts_own_rounds(tmp_path, capsys, tiny_study):
-    out, plan = tmp_path / "routes.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
+    out, plan = tmp_path / "routes.jsonl", tmp_path / "int4.json"
+    draft = json.loads((tiny_study.parent / "plans" / "tiny-llama-default.json").read_text())
+    draft["options"] |= {"weights": "int4", "group_size": 32}  # int4 layers: the routes of fewer bits apply
+    plan.write_text(json.dumps(draft))
     p = _run(capsys, "route-bounds", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens",
              "12", "--groups", "--levels", "0.5", "--contexts", "40", "--top", "8", "--dtype", "float32", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
@@ -105,6 +108,10 @@ def test_route_bounds_price_each_route_on_the_drafts_own_rounds(tmp_path, capsys
     assert routes["exit oracle"] >= routes["as found"] * 0.999  # its layers cost at most what they cost
     assert routes["context 40 no attention"] >= routes["context 40"] * 0.999
     assert 0 <= record["contexts"]["40"]["attention_share_of_draft_step"] < 1 and "exit oracle" in p.stdout
+    fewer = {"int4 lsq, simulated", "bits 3, simulated", "bits 2, simulated"}  # simulated, each at its bits' price
+    assert fewer <= set(routes) and set(record["fit_counts"]) == fewer and all(routes[r] > 0 for r in fewer)
+    # the bounds: the same rounds with cheaper layers (equal where the found draft drafts nothing through them)
+    assert routes["bits 2"] >= routes["bits 3"] * 0.999 and routes["bits 3"] >= routes["as found"] * 0.999
 
 
 def test_skip_scan_simulates_each_kept_sublayer_skipped_and_adds_the_best(tmp_path, capsys, tiny_study):
