@@ -110,12 +110,6 @@ def _outer_linears(layers: nn.Module) -> list[nn.Module]:
     return [m for m in layers.modules() if isinstance(m, (nn.Linear, LinearWrapper)) and id(m) not in inner]
 
 
-def _weight(m: nn.Module) -> torch.Tensor:
-    while isinstance(m, LinearWrapper):
-        m = m.inner
-    return m.weight.detach()
-
-
 def rounding_error(model: nn.Module, seqs: list, tokens: int, group: int = 128) -> dict:
     """What the VNNI kernel's int8 rounding of the activations costs: on the inputs the decoder linears take at the
     last ``tokens`` positions of the full model's forwards over ``seqs``, each linear's relative error against the
@@ -134,7 +128,7 @@ def rounding_error(model: nn.Module, seqs: list, tokens: int, group: int = 128) 
             h.remove()
         for m in linears:
             x = torch.cat(inputs.pop(m))
-            _, q, sz = quantize(_weight(m), "int4", group, "int4-vnni")
+            _, q, sz = quantize(m.weight.detach(), "int4", group, "int4-vnni")
             w64 = vnni.dequantize(q, sz, group)
             y64 = x.double() @ w64.T
             norm = y64.norm()

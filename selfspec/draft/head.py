@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from selfspec.draft.lowbit import FEWER_LEVELS, quantize, quantized_mm
+from selfspec.draft.lowbit import quantize, quantized_mm
 from selfspec.model.wrap import set_plain
 
 
@@ -54,7 +54,6 @@ class CutHead(nn.Module):
         Returns (kernel, group, base ids, packed weight, scales) (:func:`~selfspec.draft.lowbit.quantize`)."""
         if weights == "model":
             return None
-        fit = "lsq" if fit in FEWER_LEVELS else fit  # the head keeps 16 levels where the layers measure fewer
         key = (weights, group_size if weights == "int4" else 0, base.cpu().numpy().tobytes(),
                fit if weights == "int4" else "")
         if key not in self.copies:

@@ -42,7 +42,7 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 FITS = ("minmax", "lsq", "grid", "lsq3", "lsq2")  # how an int4 group's scale and zero are chosen (DraftOptions.int4_fit)
 # fits that give each group fewer of the 16 levels: what 3- or 2-bit weights would make the draft accept, computed on
 # the int4 kernel at its cost (a measurement for the route bounds, selfspec.inspect.route_bounds; no kernel here reads
-# fewer bits); a quantized head keeps 16 levels (selfspec.draft.head)
+# fewer bits); a draft's quantized head keeps 16 levels (selfspec.draft.path)
 FEWER_LEVELS = {"lsq3": 8, "lsq2": 4}
 LSQ_ROUNDS = 4  # refinements of the least-squares fit; each group keeps its smallest error seen
 # a group lies on a 4-bit grid when its distinct values are at most 16 even steps apart, each within this

@@ -47,7 +47,7 @@ from torch import nn
 
 from selfspec.draft import fused
 from selfspec.draft.head import CutHead
-from selfspec.draft.lowbit import FITS, LowPrecisionLinear, copy_key, wrap_linears
+from selfspec.draft.lowbit import FEWER_LEVELS, FITS, LowPrecisionLinear, copy_key, wrap_linears
 from selfspec.draft.skip import layer_skipper
 from selfspec.errors import SelfSpecError
 from selfspec.model.plan import SkipPlan
@@ -245,7 +245,9 @@ class DraftPath:
             n = min(options.head_tokens or vocab, vocab)
             base = set(range(n)) | {int(i) for i in stop_ids if 0 <= int(i) < vocab}
             self.base_ids = torch.tensor(sorted(base), dtype=torch.long)
-            self.head_low = head.copy_for(self.base_ids, options.head_weights, options.group_size, options.int4_fit)
+            # the head keeps 16 levels where the layers' fit measures fewer (lowbit.FEWER_LEVELS)
+            head_fit = "lsq" if options.int4_fit in FEWER_LEVELS else options.int4_fit
+            self.head_low = head.copy_for(self.base_ids, options.head_weights, options.group_size, head_fit)
 
     @property
     def extra_bytes(self) -> int:

@@ -171,9 +171,13 @@ def main(argv: list[str] | None = None) -> None:
     name, lm, spec, prompts, groups = replayed(args)
     fmt = weight_format(spec.options)
     conts = ar_continuations(lm, prompts, args.tokens)
-    print("simulating the draft's rounds", file=sys.stderr, flush=True)
     sim = RoundSimulator(lm.model, prompts, conts, lm.eos_ids)
-    counts = {g: sim.simulate(spec, prompts=idx) for g, idx in groups}
+
+    def simulated(label: str, d: DraftSpec) -> dict[str, RoundCounts]:  # ``d``'s rounds, per group of prompts
+        print(f"simulating {label}", file=sys.stderr, flush=True)
+        return {g: sim.simulate(d, prompts=idx) for g, idx in groups}
+
+    counts = simulated("the draft's rounds", spec)
     n = spec.plan.num_layers
     skipped: dict[str, DraftSpec] = {}
     for f in args.skips:
@@ -186,13 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         fits["int4 lsq, simulated"] = (spec.replace(options=replace(spec.options, int4_fit="lsq")), 1.0)
         fits |= {f"bits {b}, simulated": (spec.replace(options=replace(spec.options, int4_fit=f"lsq{b}")), b / INT4_BITS)
                  for b in args.bits if f"lsq{b}" in FEWER_LEVELS}
-    skip_counts, fit_counts = {}, {}
-    for label, d in skipped.items():
-        print(f"simulating {label}", file=sys.stderr, flush=True)
-        skip_counts[label] = {g: sim.simulate(d, prompts=idx) for g, idx in groups}
-    for label, (d, _) in fits.items():
-        print(f"simulating {label}", file=sys.stderr, flush=True)
-        fit_counts[label] = {g: sim.simulate(d, prompts=idx) for g, idx in groups}
+    skip_counts = {label: simulated(label, d) for label, d in skipped.items()}
+    fit_counts = {label: simulated(label, d) for label, (d, _) in fits.items()}
     print("measuring where the draft's tokens are decided", file=sys.stderr, flush=True)
     path = DraftPath(lm.model, spec.plan, spec.options, stop_ids=lm.eos_ids)
     exit_frac = {g: float(torch.cat([exit_layers(lm.model, path, prompts[i], conts[i], args.top) for i in idx])
