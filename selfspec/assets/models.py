@@ -32,6 +32,7 @@ from selfspec.assets.fetch import (
     remove_if_unused,
     replace_dir,
 )
+from selfspec.assets.vocab import TokenRank, attach
 from selfspec.errors import AssetError, SelfSpecError
 from selfspec.locks import check_writable, waiting
 from selfspec.model.arch import num_layers
@@ -345,17 +346,19 @@ def load_model(
     model.to(device).eval()
     stop = stop or ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>")
     eos = _eos_ids(tokenizer, model, stop)
+    attach(model, TokenRank(tokenizer, cache))  # ranked on first use (a head_ids=frequent draft)
     return LoadedModel(name_or_path, model, tokenizer, eos, source, {"dtype": str(torch_dtype).removeprefix("torch.")})
 
 
 def _tiny(name: str, dtype: torch.dtype, device: str) -> LoadedModel:
-    from selfspec.assets.tiny import TINY_ARCHS, TINY_VOCAB, ByteTokenizer, tiny_model
+    from selfspec.assets.tiny import TINY_ARCHS, TINY_TEXTS, TINY_VOCAB, ByteTokenizer, tiny_model
 
     arch = name.split("-", 1)[1]
     if arch not in TINY_ARCHS:
         raise SelfSpecError(f"unknown tiny model {name!r}; choose from {', '.join('tiny-' + a for a in TINY_ARCHS)}")
     model = tiny_model(arch, dtype=dtype, vocab_size=TINY_VOCAB).to(device)
     tok = ByteTokenizer()
+    attach(model, TokenRank(tok, texts=TINY_TEXTS))
     return LoadedModel(name, model, tok, frozenset({tok.eos_token_id}), f"tiny-{arch}",
                        {"dtype": str(dtype).removeprefix("torch.")})
 

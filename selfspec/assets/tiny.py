@@ -85,3 +85,6 @@ class ByteTokenizer:
 
 
 TINY_VOCAB = 256 + ByteTokenizer.offset
+# what a tiny model's token ranking (selfspec.assets.vocab, head_ids=frequent) counts: no download
+TINY_TEXTS = ("Sure! Here is a short answer, with an example:", "def add(a, b):\n    return a + b\n",
+              "The result is 42. Let me know if you have any other questions.")

@@ -12,9 +12,11 @@ second model and without touching what verification computes:
   Decode steps are memory-bound, so reading a half or a quarter of the bytes
   makes a draft step about that much cheaper. The copies are extra
   memory and are reported (:attr:`DraftPath.extra_bytes`).
-- ``head_tokens: N``: while drafting, the LM head scores only N token ids (the
-  lowest ids, which byte-pair merge order makes the most frequent ones, plus
-  the prompt's own tokens and the stop tokens); the others get ``-inf``.
+- ``head_tokens: N``: while drafting, the LM head scores only N token ids (its
+  base: with ``head_ids: lowest`` the lowest ids, which byte-pair merge order
+  makes roughly the most frequent ones; with ``head_ids: frequent`` the ids the
+  tokenizer emits most often in packaged text, :mod:`selfspec.assets.vocab`),
+  plus the prompt's own tokens and the stop tokens; the others get ``-inf``.
   The full head of a 150k-token vocabulary costs as much as a few layers.
 - ``head_weights: int8 | int4``: the draft head (cut or full) scores its base
   ids through a quantized copy of their rows (:mod:`selfspec.draft.head`);
@@ -45,6 +47,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from selfspec.assets.vocab import frequent_base, rank_of
 from selfspec.draft import fused
 from selfspec.draft.head import CutHead
 from selfspec.draft.lowbit import FEWER_LEVELS, FITS, LowPrecisionLinear, copy_key, wrap_linears
@@ -54,6 +57,7 @@ from selfspec.model.plan import SkipPlan
 from selfspec.model.wrap import set_plain
 
 WEIGHTS = ("model", "int8", "int4")
+HEAD_IDS = ("lowest", "frequent")  # a cut head's base ids (head_ids)
 # the draft-length policy's defaults, read by the draft file (DraftSpec) and the decoding loop (DecodeConfig)
 DEFAULT_K = 4  # draft tokens per round
 DEFAULT_ADAPTIVE = False  # the adaptive exit: stop drafting after a token the draft is unsure of
@@ -65,6 +69,9 @@ class DraftOptions:
     weights: str = "model"  # model | int8 | int4: precision of the kept linears while drafting
     group_size: int = 32  # int4 quantization group (along the input dimension)
     head_tokens: int = 0  # 0 = the full LM head while drafting; N = N token ids + prompt + stop tokens
+    # which N ids a cut head scores: lowest (the N lowest ids) | frequent (the N ids the tokenizer emits most often
+    # in packaged text, then the lowest others: selfspec.assets.vocab)
+    head_ids: str = "lowest"
     head_weights: str = "model"  # model | int8 | int4 (group_size): precision of the draft head's rows
     # R >= 1 with a quantized head: the R ids it scores highest are scored again on the model's bf16 rows (R rows
     # read a step), so that the draft's choice among its top candidates is the model head's; 0 = off
@@ -105,6 +112,10 @@ class DraftOptions:
             raise SelfSpecError(f"head_weights must be one of {', '.join(WEIGHTS)}, got {self.head_weights!r}")
         if self.head_tokens < 0 or self.ngram < 0 or self.copy_tokens < 0 or self.copy_per_match < 0:
             raise SelfSpecError("head_tokens, ngram, copy_tokens and copy_per_match must be >= 0")
+        if self.head_ids not in HEAD_IDS:
+            raise SelfSpecError(f"head_ids must be one of {', '.join(HEAD_IDS)}, got {self.head_ids!r}")
+        if self.head_ids != "lowest" and not self.head_tokens:
+            raise SelfSpecError(f"head_ids={self.head_ids} chooses a cut head's ids: it needs head_tokens N >= 1")
         if self.head_rescore < 0 or (self.head_rescore and self.head_weights == "model"):
             raise SelfSpecError(f"head_rescore must be 0, or >= 1 with a quantized head (head_weights int8 or int4): "
                                 f"got {self.head_rescore} with head_weights={self.head_weights}")
@@ -159,13 +170,16 @@ class DraftOptions:
     def record(self) -> dict | None:
         """The options as a run records them (None for the plan-only draft).
 
-        ``copy_tokens``, ``min_ngram``, ``copy_per_match``, ``copy_fallback``, ``head_weights``, ``head_rescore``, ``int4_fit``,
+        ``copy_tokens``, ``min_ngram``, ``copy_per_match``, ``copy_fallback``, ``head_ids``, ``head_weights``,
+        ``head_rescore``, ``int4_fit``,
         ``model_draft``, ``fused``, ``fused_step`` and the tree options appear only when set, so runs recorded before
         they existed still resume.
         """
         if self.plain and not self.ngram and not self.tree:
             return None
         rec = asdict(self)
+        if self.head_ids == "lowest":
+            del rec["head_ids"]
         if self.head_weights == "model":
             del rec["head_weights"]
         if not self.head_rescore:
@@ -243,7 +257,8 @@ class DraftPath:
             self.head = head
             vocab = head.inner.out_features
             n = min(options.head_tokens or vocab, vocab)
-            base = set(range(n)) | {int(i) for i in stop_ids if 0 <= int(i) < vocab}
+            ids = frequent_base(rank_of(model), n, vocab) if options.head_ids == "frequent" else range(n)
+            base = set(ids) | {int(i) for i in stop_ids if 0 <= int(i) < vocab}
             self.base_ids = torch.tensor(sorted(base), dtype=torch.long)
             # the head keeps 16 levels where the layers' fit measures fewer (lowbit.FEWER_LEVELS)
             head_fit = "lsq" if options.int4_fit in FEWER_LEVELS else options.int4_fit

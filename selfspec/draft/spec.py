@@ -71,6 +71,8 @@ class DraftSpec:
             key += (("int4_fit", o.int4_fit),)
         if o.head_rescore:
             key += (("head_rescore", o.head_rescore),)
+        if o.head_ids != "lowest":
+            key += (("head_ids", o.head_ids),)
         return key
 
     def describe(self) -> str:
@@ -84,7 +86,8 @@ class DraftSpec:
             low = "" if o.head_weights == "model" else f" {o.head_weights}" + (
                 f" g{o.group_size}{fit}" if o.head_weights == "int4" else "") + (
                 f" top {o.head_rescore} rescored" if o.head_rescore else "")
-            parts.append(f"head {o.head_tokens or 'full'}{low}")
+            ids = f" {o.head_ids}" if o.head_ids != "lowest" else ""
+            parts.append(f"head {o.head_tokens or 'full'}{ids}{low}")
         if o.ngram:
             parts.append(f"{o.ngram}-gram copy" + (f" (down to {o.min_ngram}-gram)" if o.min_ngram else "")
                          + (f" up to {o.copy_tokens}" if o.copy_tokens else "")

@@ -55,6 +55,7 @@ class DraftDims:
     group_size: tuple[int, ...] = (32, 128)  # int4 groups; 32 lines up with the GGUF blocks of the packaged models
     int4_fit: tuple[str, ...] = ("minmax",)  # int4 groups' scale and zero: lowbit.FITS
     head_tokens: tuple[int, ...] = (0, 16384, 32768)
+    head_ids: tuple[str, ...] = ("lowest",)  # a cut head's base: lowest | frequent (path.HEAD_IDS)
     head_weights: tuple[str, ...] = ("model", "int4")  # the draft head's rows: model | int8 | int4 (int4: group_size)
     head_rescore: tuple[int, ...] = (8,)  # a quantized head's top ids rescored on the model's rows (0 = off)
     k: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
@@ -150,13 +151,13 @@ class SearchSpace:
         """What the study pins: a resumed study refuses another space."""
         return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
                 "protect_first_last": self.protect_first_last,
-                # copy_fallback, min_ngram, copy_per_match, head_weights, model_draft, skipping, int4_fit and
-                # head_rescore only when searched or set, so studies made before them still resume
+                # copy_fallback, min_ngram, copy_per_match, head_weights, model_draft, skipping, int4_fit,
+                # head_rescore and head_ids only when searched or set, so studies made before them still resume
                 "dims": {k: list(v) for k, v in asdict(self.dims).items()
                          if (k, v) not in (("copy_fallback", (0,)), ("min_ngram", (0,)), ("copy_per_match", (0,)),
                                            ("head_weights", ("model",)), ("model_draft", (True,)),
                                            ("skipping", (True,)), ("int4_fit", ("minmax",)),
-                                           ("head_rescore", (0,)))}}
+                                           ("head_rescore", (0,)), ("head_ids", ("lowest",)))}}
 
     # -- params <-> drafts -------------------------------------------------------------
     def _option_dims(self) -> dict[str, tuple]:
@@ -164,7 +165,7 @@ class SearchSpace:
         # a draft that skips nothing is outside a budget of min_skipped > 0: not a value to search then
         skipping = tuple(v for v in d.skipping if v or not self.min_skipped) or (True,)
         return {"weights": d.weights, "group_size": d.group_size, "int4_fit": d.int4_fit, "head_tokens": d.head_tokens,
-                "head_weights": d.head_weights, "head_rescore": d.head_rescore, "k": d.k,
+                "head_ids": d.head_ids, "head_weights": d.head_weights, "head_rescore": d.head_rescore, "k": d.k,
                 "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens,
                 "min_ngram": d.min_ngram, "copy_per_match": d.copy_per_match, "copy_candidates": d.copy_candidates,
                 "branch_below": d.branch_below,
@@ -176,7 +177,7 @@ class SearchSpace:
                   **{f"mlp_{i}": int(i in spec.plan.mlp) for i in self.searchable}}
         o = spec.options
         values = {"weights": o.weights, "group_size": o.group_size, "int4_fit": o.int4_fit, "head_tokens": o.head_tokens,
-                  "head_weights": o.head_weights, "head_rescore": o.head_rescore, "k": spec.k,
+                  "head_ids": o.head_ids, "head_weights": o.head_weights, "head_rescore": o.head_rescore, "k": spec.k,
                   "adaptive": spec.adaptive, "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
                   "min_ngram": o.min_ngram, "copy_per_match": o.copy_per_match, "copy_candidates": o.copy_candidates,
                   "branch_below": o.branch_below,
@@ -184,14 +185,15 @@ class SearchSpace:
                   "copy_fallback": o.copy_fallback, "model_draft": o.model_draft,
                   "skipping": spec.plan.n_skipped > 0}
         unused = {"group_size": not o.int4, "int4_fit": not o.int4, "threshold": not spec.adaptive,
-                  "head_rescore": o.head_weights == "model",
+                  "head_rescore": o.head_weights == "model", "head_ids": not o.head_tokens,
                   "copy_tokens": not o.ngram, "min_ngram": o.ngram < 2, "copy_per_match": not o.ngram,
                   "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2,
                   "model_draft": not o.ngram}
         if not spec.plan.n_skipped and False not in self._option_dims()["skipping"]:
             unused["skipping"] = True  # the bits, all off, say it: a space that always skips still holds the draft
         if not o.model_draft:  # a copy-only draft has no model draft to shape
-            unused.update(dict.fromkeys(("weights", "group_size", "int4_fit", "head_tokens", "head_weights", "head_rescore",
+            unused.update(dict.fromkeys(("weights", "group_size", "int4_fit", "head_tokens", "head_ids", "head_weights",
+                                         "head_rescore",
                                          "adaptive", "threshold", "branch_below", "copy_fallback", "skipping"), True))
             unused["k"] = bool(o.copy_tokens)
         for name, choices in self._option_dims().items():
@@ -220,6 +222,7 @@ class SearchSpace:
                 v["k"] = self.dims.k[0]
         int4 = "int4" in (v["weights"], v["head_weights"])
         options = DraftOptions(weights=v["weights"], group_size=v["group_size"], head_tokens=v["head_tokens"],
+                               head_ids=v["head_ids"] if v["head_tokens"] else "lowest",
                                head_weights=v["head_weights"], int4_fit=v["int4_fit"] if int4 else "minmax",
                                head_rescore=v["head_rescore"] if v["head_weights"] != "model" else 0,
                                ngram=v["ngram"], copy_tokens=v["copy_tokens"] if v["ngram"] else 0, min_ngram=min_ngram,

@@ -18,7 +18,9 @@ def ablation_variants(spec: DraftSpec) -> list[tuple[str, DraftSpec]]:
     if o.weights != "model":
         out.append(("without low precision", spec.replace(options=_options(o, weights="model"))))
     if o.head_tokens:
-        out.append(("without the cut head", spec.replace(options=_options(o, head_tokens=0))))
+        out.append(("without the cut head", spec.replace(options=_options(o, head_tokens=0, head_ids="lowest"))))
+    if o.head_ids != "lowest":
+        out.append(("the lowest ids as the head's base", spec.replace(options=_options(o, head_ids="lowest"))))
     if o.head_weights != "model":
         out.append(("without the quantized head", spec.replace(options=_options(o, head_weights="model", head_rescore=0))))
     if o.head_rescore:
