@@ -108,3 +108,21 @@ def test_linear_bench_times_the_packed_products_from_memory_and_from_cache(tmp_p
         assert r["packed_gb_s"] > 0 and r["packed_resident_gb_s"] > 0
         # the ratio of the two times, which the rates (rounded to 0.1 GB/s) give back to within their rounding
         assert abs(r["compute_over_memory"] - r["packed_resident_gb_s"] / r["packed_gb_s"]) < 0.05
+
+
+def test_roofline_sets_each_product_against_the_machine_s_limits(tmp_path):
+    out = tmp_path / "roofline.jsonl"
+    p = _script("roofline.py", "--layers", "1", "--rows", "1", "6", "--reps", "1", "--gemm", "128", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    limits = row["limits"]
+    assert limits["memory_gb_s"] > 0 and limits["gemm_gflop_s"] > 0
+    assert limits["fma_peak_gflop_s"] is None or limits["fma_peak_gflop_s"] > 0
+    assert {"packed x1", "packed x6"} <= set(row["products"]) and row["machine"] and row["git_commit"]
+    for name, prod in row["products"].items():
+        assert prod["rows"] == (1 if name.startswith("int4") else int(name.split("x")[1])) and prod["ms"] > 0
+        assert prod["of_limit"] == max(prod["of_memory"], prod.get("of_compute", 0))
+        assert abs(prod["of_memory"] - prod["gb_s"] / limits["memory_gb_s"]) <= 0.011
+    for m in (1, 6):  # 2 bytes a weight (the fp16 or bf16 copy) and 2 FLOP a weight a row: m FLOP a byte
+        prod = row["products"][f"packed x{m}"]
+        assert abs(prod["gflop_s"] / prod["gb_s"] - m) <= 0.02 * m
