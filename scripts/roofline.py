@@ -112,8 +112,8 @@ def main() -> None:
             q = torch.randint(0, 16, (lin.out_features, lin.in_features), dtype=torch.uint8)
             sz = torch.randn(lin.out_features, lin.in_features // GROUP, 2) * 0.01
             int4.append(vnni.pack(q, sz))
-    res = {"layers": args.layers, "kernels": pack_label(), "int4_kernel": vnni.isa(), "threads": torch.get_num_threads(),
-           "machine": machine_fingerprint(), "git_commit": git_commit()}
+    res = {"layers": args.layers, "weights": weights, "kernels": pack_label(), "int4_kernel": vnni.isa(),
+           "threads": torch.get_num_threads(), "machine": machine_fingerprint(), "git_commit": git_commit()}
     big = torch.empty(dense_bytes // 4).uniform_()  # fp32: the sum reads it at the memory's speed, not converting
     a, b = torch.randn(args.gemm, args.gemm), torch.randn(args.gemm, args.gemm)
     calls = max(1, round(1e10 / (2 * args.gemm**3)))  # ~10 GFLOP a repetition
@@ -150,13 +150,14 @@ def main() -> None:
             rows = 1 if name.startswith("int4") else int(name.split("x")[1])
             nbytes = sum(p.numel() + 2 * sz.numel() for p, sz in int4) if name.startswith("int4") else packed_bytes
             gb_s, gflop_s = nbytes / t / 1e9, 2 * weights * rows / t / 1e9
-            row = {"rows": rows, "ms": round(t * 1e3, 1), "gb_s": round(gb_s, 1), "gflop_s": round(gflop_s, 1),
+            row = {"rows": rows, "ms": round(t * 1e3, 3), "mb": round(nbytes / 1e6, 3), "gb_s": round(gb_s, 1),
+                   "gflop_s": round(gflop_s, 1),
                    "of_memory": round(gb_s / memory, 2)}
             if not name.startswith("int4"):
                 row["of_compute"] = round(gflop_s / (peak or compute), 2)
             row["of_limit"] = max(row["of_memory"], row.get("of_compute", 0))
             res["products"][name] = row
-            print(f"{name:12} {row['ms']:8.1f} ms  {row['gb_s']:6.1f} GB/s ({row['of_memory']:.2f} of memory)  "
+            print(f"{name:12} {t * 1e3:8.1f} ms  {row['gb_s']:6.1f} GB/s ({row['of_memory']:.2f} of memory)  "
                   f"{row['gflop_s']:7.1f} GFLOP/s" + (f" ({row['of_compute']:.2f} of compute)" if "of_compute" in row
                                                      else "") + f"  -> {row['of_limit']:.2f} of its limit", flush=True)
     append_row(args.out, res, echo=False)
