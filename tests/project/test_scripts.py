@@ -126,3 +126,6 @@ def test_roofline_sets_each_product_against_the_machine_s_limits(tmp_path):
         # the rates are what was read and computed over the time: 2 FLOP a weight a row
         assert abs(prod["gb_s"] - prod["mb"] / prod["ms"]) <= 0.05 + 0.01 * prod["gb_s"]
         assert abs(prod["gflop_s"] - 2 * row["weights"] * prod["rows"] / prod["ms"] / 1e6) <= 0.05 + 0.01 * prod["gflop_s"]
+    if "int4 x1" in row["products"]:  # the int4 kernel, where it runs: also timed on weights that stay in cache
+        int4 = row["products"]["int4 x1"]
+        assert int4["in_cache_gb_s"] > 0 and int4["from_memory_over_in_cache"] > 0
