@@ -100,77 +100,82 @@ def main() -> None:
     ap.add_argument("--gemm", type=int, default=512, help="side of the in-cache fp32 product (the compute limit)")
     ap.add_argument("--out", default="results/roofline.jsonl")
     args = ap.parse_args()
+    if args.reps < 1 or args.layers < 1 or min(args.rows) < 1:
+        ap.error("--reps, --layers and --rows must be at least 1")
     torch.manual_seed(0)
     linears = [PackedLinear(torch.nn.Linear(k, n, bias=False).to(torch.bfloat16))
                for _ in range(args.layers) for n, k in SHAPES]
     for lin in linears:
         lin.active = True
-    weights = sum(lin.in_features * lin.out_features for lin in linears)
-    dense_bytes = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
-    packed_bytes = sum(lin.extra_bytes or lin.weight.numel() * lin.weight.element_size() for lin in linears)
-    int4 = []
-    if vnni.available():
-        for lin in linears:
-            q = torch.randint(0, 16, (lin.out_features, lin.in_features), dtype=torch.uint8)
-            sz = torch.randn(lin.out_features, lin.in_features // GROUP, 2) * 0.01
-            int4.append(vnni.pack(q, sz))
-    res = {"layers": args.layers, "weights": weights, "kernels": pack_label(), "int4_kernel": vnni.isa(),
-           "threads": torch.get_num_threads(), "machine": machine_fingerprint(), "git_commit": git_commit()}
-    big = torch.empty(dense_bytes // 4).uniform_()  # fp32: the sum reads it at the memory's speed, not converting
-    a, b = torch.randn(args.gemm, args.gemm), torch.randn(args.gemm, args.gemm)
-    calls = max(1, round(1e10 / (2 * args.gemm**3)))  # ~10 GFLOP a repetition
+    int4 = [vnni.pack(torch.randint(0, 16, (lin.out_features, lin.in_features), dtype=torch.uint8),
+                      torch.randn(lin.out_features, lin.in_features // GROUP, 2) * 0.01)
+            for lin in linears] if vnni.available() else []
+    res = {"layers": args.layers, "weights": sum(lin.in_features * lin.out_features for lin in linears),
+           "kernels": pack_label(), "int4_kernel": vnni.isa(), "threads": torch.get_num_threads(),
+           "machine": machine_fingerprint(), "git_commit": git_commit()}
     with torch.inference_mode():
-        xs = {m: {k: torch.randn(m, k, dtype=torch.bfloat16) for _, k in SHAPES} for m in args.rows}
-        runs = {"memory": big.sum, "compute": lambda: [torch.mm(a, b) for _ in range(calls)]}
-        probe, peaks = fma_probe(), []
-        if probe is not None:
-            runs["peak"] = lambda: peaks.append(probe(100_000_000, torch.get_num_threads()))  # ~0.1 s
-        runs |= {f"packed x{m}": (lambda m=m: [lin(xs[m][lin.in_features]) for lin in linears]) for m in args.rows}
-        if int4:
-            x1 = xs.get(1) or {k: torch.randn(1, k, dtype=torch.bfloat16) for _, k in SHAPES}
-            runs["int4 x1"] = lambda: [vnni.mm(x1[lin.in_features], p, sz, GROUP) for lin, (p, sz) in zip(linears, int4)]
-            # the same calls on one weight of each shape (~14 MB), which stays in the last-level cache
-            runs["int4 cached"] = lambda: [vnni.mm(x1[lin.in_features], *int4[i % 2], GROUP)
-                                           for i, lin in enumerate(linears)]
-        best = {name: float("inf") for name in runs}
-        names = list(runs)
-        for rep in range(args.reps + 1):  # rotating order, the limits among the products; repetition 0 warms up
-            for name in names[rep % len(names):] + names[: rep % len(names)]:
-                t0 = time.perf_counter()
-                runs[name]()
-                if rep:
-                    best[name] = min(best[name], time.perf_counter() - t0)
-        memory = big.numel() * 4 / best.pop("memory") / 1e9
-        compute = 2 * args.gemm**3 * calls / best.pop("compute") / 1e9
-        best.pop("peak", None)
-        peak = max(peaks[1:]) if probe is not None else None  # the warm-up's left out
-        res["limits"] = {"memory_gb_s": round(memory, 1), "gemm_gflop_s": round(compute, 1),
-                         "fma_peak_gflop_s": None if peak is None else round(peak, 1)}
-        print(f"limits on {torch.get_num_threads()} threads: memory {memory:.1f} GB/s (an fp32 sum over as many bytes "
-              "as the bf16 weights); compute " + ("(no FMA probe) " if peak is None else f"{peak:.1f} GFLOP/s (the FMA "
-              "units' peak), ") + f"torch's fp32 {args.gemm}x{args.gemm} products in cache {compute:.1f} GFLOP/s",
-              flush=True)
-        res["products"] = {}
-        cached = best.pop("int4 cached", None)
-        for name, t in best.items():
-            rows = 1 if name.startswith("int4") else int(name.split("x")[1])
-            nbytes = sum(p.numel() + 2 * sz.numel() for p, sz in int4) if name.startswith("int4") else packed_bytes
-            gb_s, gflop_s = nbytes / t / 1e9, 2 * weights * rows / t / 1e9
-            row = {"rows": rows, "ms": round(t * 1e3, 3), "mb": round(nbytes / 1e6, 3), "gb_s": round(gb_s, 1),
-                   "gflop_s": round(gflop_s, 1),
-                   "of_memory": round(gb_s / memory, 2)}
-            if not name.startswith("int4"):
-                row["of_compute"] = round(gflop_s / (peak or compute), 2)
-            row["of_limit"] = max(row["of_memory"], row.get("of_compute", 0))
-            if name == "int4 x1" and cached is not None:  # near 1: the kernel's own work holds it back, not the reading
-                row["in_cache_gb_s"] = round(nbytes / cached / 1e9, 1)
-                row["from_memory_over_in_cache"] = round(cached / t, 2)
-            res["products"][name] = row
-            print(f"{name:12} {t * 1e3:8.1f} ms  {row['gb_s']:6.1f} GB/s ({row['of_memory']:.2f} of memory)  "
-                  f"{row['gflop_s']:7.1f} GFLOP/s" + (f" ({row['of_compute']:.2f} of compute)" if "of_compute" in row
-                                                     else "") + f"  -> {row['of_limit']:.2f} of its limit"
-                  + (f"; in cache {row['in_cache_gb_s']} GB/s" if "in_cache_gb_s" in row else ""), flush=True)
+        res["limits"], res["products"] = measure(linears, int4, args.rows, args.reps, args.gemm, res["weights"])
     append_row(args.out, res, echo=False)
+
+
+def measure(linears: list[PackedLinear], int4: list, rows: list[int], reps: int, gemm: int,
+            weights: int) -> tuple[dict, dict]:
+    """The limits and each product's rates, all timed in one rotation (best of ``reps``, after a warm-up)."""
+    dense_bytes = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
+    big = torch.empty(dense_bytes // 4).uniform_()  # fp32: the sum reads it at the memory's speed, not converting
+    a, b = torch.randn(gemm, gemm), torch.randn(gemm, gemm)
+    calls = max(1, round(1e10 / (2 * gemm**3)))  # ~10 GFLOP a repetition
+    xs = {m: {k: torch.randn(m, k, dtype=torch.bfloat16) for _, k in SHAPES} for m in {1, *rows}}
+    runs = {"memory": big.sum, "compute": lambda: [torch.mm(a, b) for _ in range(calls)]}
+    probe, peaks = fma_probe(), []
+    if probe is not None:
+        runs["peak"] = lambda: peaks.append(probe(100_000_000, torch.get_num_threads()))  # ~0.1 s
+    runs |= {f"packed x{m}": (lambda m=m: [lin(xs[m][lin.in_features]) for lin in linears]) for m in rows}
+    if int4:
+        x1 = xs[1]
+        runs["int4 x1"] = lambda: [vnni.mm(x1[lin.in_features], p, sz, GROUP) for lin, (p, sz) in zip(linears, int4)]
+        # the same calls on one weight of each shape (~14 MB), which stays in the last-level cache
+        runs["int4 cached"] = lambda: [vnni.mm(x1[lin.in_features], *int4[i % 2], GROUP)
+                                       for i, lin in enumerate(linears)]
+    best = {name: float("inf") for name in runs}
+    names = list(runs)
+    for rep in range(reps + 1):  # rotating order, the limits among the products; repetition 0 warms up
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            t0 = time.perf_counter()
+            runs[name]()
+            if rep:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    memory = big.numel() * 4 / best.pop("memory") / 1e9
+    compute = 2 * gemm**3 * calls / best.pop("compute") / 1e9
+    best.pop("peak", None)
+    peak = max(peaks[1:]) if probe is not None else None  # the warm-up's left out
+    limits = {"memory_gb_s": round(memory, 1), "gemm_gflop_s": round(compute, 1),
+              "fma_peak_gflop_s": None if peak is None else round(peak, 1)}
+    print(f"limits on {torch.get_num_threads()} threads: memory {memory:.1f} GB/s (an fp32 sum over as many bytes as "
+          "the bf16 weights); compute " + ("(no FMA probe) " if peak is None else f"{peak:.1f} GFLOP/s (the FMA units' "
+          "peak), ") + f"torch's fp32 {gemm}x{gemm} products in cache {compute:.1f} GFLOP/s", flush=True)
+    packed_bytes = sum(lin.extra_bytes or lin.weight.numel() * lin.weight.element_size() for lin in linears)
+    int4_bytes = sum(p.numel() + 2 * sz.numel() for p, sz in int4)
+    cached = best.pop("int4 cached", None)
+    products = {}
+    for name, t in best.items():
+        is_int4 = name.startswith("int4")
+        m, nbytes = (1, int4_bytes) if is_int4 else (int(name.split("x")[1]), packed_bytes)
+        gb_s, gflop_s = nbytes / t / 1e9, 2 * weights * m / t / 1e9
+        row = {"rows": m, "ms": round(t * 1e3, 3), "mb": round(nbytes / 1e6, 3), "gb_s": round(gb_s, 1),
+               "gflop_s": round(gflop_s, 1), "of_memory": round(gb_s / memory, 2)}
+        if not is_int4:
+            row["of_compute"] = round(gflop_s / (peak or compute), 2)
+        row["of_limit"] = max(row["of_memory"], row.get("of_compute", 0))
+        if is_int4 and cached is not None:  # near 1: the kernel's own work holds it back, not the reading
+            row["in_cache_gb_s"] = round(nbytes / cached / 1e9, 1)
+            row["from_memory_over_in_cache"] = round(cached / t, 2)
+        products[name] = row
+        print(f"{name:12} {t * 1e3:8.1f} ms  {gb_s:6.1f} GB/s ({row['of_memory']:.2f} of memory)  {gflop_s:7.1f} GFLOP/s"
+              + (f" ({row['of_compute']:.2f} of compute)" if "of_compute" in row else "")
+              + f"  -> {row['of_limit']:.2f} of its limit"
+              + (f"; in cache {row['in_cache_gb_s']} GB/s" if "in_cache_gb_s" in row else ""), flush=True)
+    return limits, products
 
 
 if __name__ == "__main__":
