@@ -38,6 +38,7 @@ from selfspec.assets.models import load_model
 from selfspec.cli.config import calibration_prompts
 from selfspec.draft.lowbit import LowPrecisionLinear, quantize, quantized_mm
 from selfspec.engine.decoding import DecodeConfig, autoregressive
+from selfspec.engine.harness import rotated
 from selfspec.kernels import vnni
 from selfspec.kernels.packed import LinearWrapper, PackedLinear
 from selfspec.model.wrap import wrap_descendants
@@ -95,7 +96,7 @@ def speeds(layers: int, reps: int) -> dict[str, float]:
     names = list(calls)
     with torch.inference_mode():
         for rep in range(reps + 1):
-            for name in names[rep % len(names):] + names[: rep % len(names)]:
+            for name in rotated(names, rep):
                 t0 = time.perf_counter()
                 for f, x in calls[name]:
                     f(x)

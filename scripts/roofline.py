@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from selfspec.engine.harness import rotated
 from selfspec.kernels import vnni
 from selfspec.kernels.packed import PackedLinear, pack_label
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
@@ -140,7 +141,7 @@ def measure(linears: list[PackedLinear], int4: list, rows: list[int], reps: int,
     best = {name: float("inf") for name in runs}
     names = list(runs)
     for rep in range(reps + 1):  # rotating order, the limits among the products; repetition 0 warms up
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in rotated(names, rep):
             t0 = time.perf_counter()
             runs[name]()
             if rep:
