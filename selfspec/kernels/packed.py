@@ -58,7 +58,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from selfspec.kernels import fp16
+from selfspec.kernels import fp16, widths
 from selfspec.model.wrap import instance_state, wrap_descendants
 
 
@@ -124,9 +124,10 @@ def pack_label() -> str | None:
 
 def default_rows() -> int:
     """The padded width of our loop's full-model forwards (``DecodeConfig.rows``) by CPU: 6 where bf16 weights are
-    packed (prepacked bf16 kernels read the weights faster over 4-6 rows: results/padded_rows.jsonl), 1 elsewhere
-    (there every extra row costs: :data:`FP32_MIN_ROWS`)."""
-    return 6 if pack_format() == "bf16" else 1
+    packed and a one-row product takes other bits than wider ones (:func:`widths.one_row_exact`; on the Zen 4 the
+    packed kernels also read the weights faster over 4-6 rows: results/padded_rows.jsonl), else 1 (every extra row
+    then costs: 0.97x at 6 rows on a Xeon with AMX, and :data:`FP32_MIN_ROWS`)."""
+    return 6 if pack_format() == "bf16" and not widths.one_row_exact() else 1
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -201,6 +202,10 @@ class PackedLinear(LinearWrapper):
             self.packed = torch.ops.quantized.linear_prepack_fp16(wide, None if bias is None else bias.detach().float())
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w if wide is None else wide, 1)
+        # bf16: the width each product runs at so that its rows get the bits they get in any other (widths.py)
+        bias = None if inner.bias is None else inner.bias.detach()
+        self.widths = () if self.kind != "bf16" else widths.pad_table(
+            self.packed, bias, self.out_features, self.in_features, default_rows())
         self.dense = True
         self.pinned = pinned  # the dense weight must stay (shared with another module, or the LM head's)
         self.requires_grad = inner.weight.requires_grad
@@ -246,7 +251,7 @@ class PackedLinear(LinearWrapper):
         bias = self.inner.bias
         bias = None if bias is None else bias.detach()
         if self.kind == "bf16":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+            return widths.padded(widths.mkldnn_product(self.packed, bias), x, self.widths)
         if self.dense and x.numel() < FP32_MIN_ROWS * x.shape[-1]:  # the stock bf16 kernel is faster here
             return self.inner(x)
         y = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, None if bias is None else bias.float(),

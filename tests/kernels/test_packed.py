@@ -319,11 +319,14 @@ def test_where_bf16_cannot_be_packed_but_fbgemm_runs_every_forward_uses_exact_fp
 
 @pytest.mark.parametrize("fmt, rows", [("bf16", 6), ("fp16", 1), ("fp32", 1), (None, 1)])
 def test_the_padded_width_defaults_to_the_cpus(monkeypatch, fmt, rows):
+    """bf16: a CPU whose one-row products differ from wider ones (the Zen 4; test_widths.py has the other case)."""
     from omegaconf import OmegaConf
 
     from selfspec.cli.config import decode_config
+    from selfspec.kernels import widths
 
     monkeypatch.setattr(packed_module, "pack_format", lambda: fmt)
+    monkeypatch.setattr(widths, "one_row_exact", lambda: False)
     assert DecodeConfig().rows == rows
     cfg = OmegaConf.load(CONF / "decoding" / "default.yaml")
     assert cfg.rows is None  # the config leaves it to the CPU
