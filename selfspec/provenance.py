@@ -42,12 +42,16 @@ def machine_fingerprint() -> dict:
     (a virtual machine's "AMD EPYC" may be a Zen 3 with AVX2 or a Zen 4 with AVX-512), and with the
     libraries it decides which kernels our loop runs on (:func:`~selfspec.kernels.packed.pack_format`:
     bf16 prepacking needs AVX-512; an AVX2 CPU gets fp16 copies, on our kernel or fbgemm's, or fp32 copies).
+    " AMX" follows it where the CPU has AMX bf16 tiles, which oneDNN's bf16 products run on (a "Intel(R) Xeon(R)
+    Processor" may have them or not).
     """
     import torch
 
     from selfspec.kernels.packed import pack_label
+    from selfspec.kernels.vnni import cpu_flags
 
-    return {"cpu": cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "kernels": pack_label() or "stock",
+    isa = torch.backends.cpu.get_cpu_capability() + (" AMX" if "amx_bf16" in cpu_flags() else "")
+    return {"cpu": cpu_name(), "isa": isa, "kernels": pack_label() or "stock",
             "int4_kernel": _int4_kernel(),
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 

@@ -74,3 +74,14 @@ def test_the_loop_pads_to_several_rows_only_where_one_row_products_differ(monkey
     for exact, rows in ((True, 1), (False, 6)):
         monkeypatch.setattr(widths, "one_row_exact", lambda exact=exact: exact)
         assert packed.default_rows() == rows
+
+
+def test_the_fingerprint_says_where_bf16_products_may_run_on_amx_tiles(monkeypatch):
+    from selfspec.kernels import vnni
+    from selfspec.provenance import machine_fingerprint
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(vnni, "cpu_flags", lambda: {"avx512f", "amx_bf16", "amx_tile"})
+    assert machine_fingerprint()["isa"] == f"{isa} AMX"
+    monkeypatch.setattr(vnni, "cpu_flags", lambda: {"avx512f"})
+    assert machine_fingerprint()["isa"] == isa
