@@ -6,7 +6,7 @@ greedy self-speculative decoding could part from greedy AR at a near-tie. Which 
 business and differs by CPU and by weight shape: on a 2-core AMD EPYC Zen 4 a one-row product differs from every
 wider one; on a 2-core Intel Xeon with AMX one-row products share the bits of wider ones, except that the
 Qwen2.5-Coder-1.5B's down projections (1536 outputs, 8960 inputs) give other bits at 12-23 rows than at 1-11 and
-24-32 (docs/numerics.md). So the rule is asked of oneDNN itself, once per weight shape and thread count:
+24-32 with 2 threads (docs/numerics.md). So the rule is asked of oneDNN itself, once per weight shape and thread count:
 
 - :func:`pad_table` times nothing; it computes rows of random inputs once in products of ``base`` rows (the
   reference: the loop's narrowest forward) and once in a product of every width from ``base`` to :data:`MAX_ROWS`,
