@@ -107,11 +107,12 @@ def time_over(r: SearchReport) -> str | None:
     cores = f", {machine['cores']} cores" if machine.get("cores") else ""
     step = (f", where one full-model step of this model took {r.plain_step_s * 1e3:.0f} ms"
             if r.plain_step_s else "")
+    shorter = ["search.ablation=false (no ablation)"] if "ablation" in r.stages else []  # not where it ran none
+    shorter += ["search.heldout.reps=1", "search.retime.top_n=1", "fewer search.n_trials"]
     return (f"note: {total:.0f} s in all, over the {r.time_target_s:.0f} s target (search.time_target_s) by "
             f"{total - r.time_target_s:.0f} s. The search times real decoding on this CPU ({where or 'unknown'}{cores})"
             f"{step}; its longest parts: " + ", ".join(f"{k} {v:.0f} s" for k, v in longest) + ". Shorter, at the "
-            "cost of what they measure: search.ablation=false (no ablation), search.heldout.reps=1, "
-            "search.retime.top_n=1, fewer search.n_trials.")
+            "cost of what they measure: " + ", ".join(shorter) + ".")
 
 
 def prediction_gap(r: SearchReport, margin: float = 0.85) -> str | None:

@@ -41,6 +41,11 @@ def test_the_report_says_where_the_time_went_past_its_target():
     assert "(AMD EPYC, AVX2, 2 cores), where one full-model step of this model took 119 ms" in line
     assert "longest parts: held-out check 185 s, trials 149 s, ablation 140 s." in line
     assert line in format_report(r) and "; 109 s before it (prompts and model fetched" in format_report(r)
+    assert line.endswith("Shorter, at the cost of what they measure: search.ablation=false (no ablation), "
+                         "search.heldout.reps=1, search.retime.top_n=1, fewer search.n_trials.")
+    del r.stages["ablation"]  # a search run with no ablation is not told to turn it off
+    assert "search.ablation=false" not in time_over(r) and time_over(r).endswith(": search.heldout.reps=1, "
+                                                                                 "search.retime.top_n=1, fewer search.n_trials.")
     for target in (None, 807.0):  # no target, or the run within it: no note
         r.time_target_s = target
         assert time_over(r) is None and "s target" not in format_report(r)
