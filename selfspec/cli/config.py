@@ -30,10 +30,13 @@ from selfspec.typed import typed
 
 def short_folder_name(text: str, limit: int = 96) -> str:
     """``text`` as one folder name of at most ``limit`` characters: itself when it fits, else its start and a hash
-    of the whole (a run's overrides can be longer than a file system allows; they stay whole in its config record)."""
-    if len(text) <= limit:
-        return text
-    return f"{text[: limit - 13]}-{hashlib.sha1(text.encode('utf-8')).hexdigest()[:12]}"
+    of the whole (a run's overrides can be longer than a file system allows; they stay whole in its config record).
+    A path separator in it (an override naming a file: ``+method_options.x={draft:results/plans/p.json}``) is
+    written ``_``, so that the name stays one folder, not a tree of them."""
+    name = text.replace("/", "_").replace("\\", "_")
+    if len(name) <= limit:
+        return name
+    return f"{name[: limit - 13]}-{hashlib.sha1(text.encode('utf-8')).hexdigest()[:12]}"
 
 
 OmegaConf.register_new_resolver("selfspec.short", short_folder_name, replace=True)  # used by conf/evaluate.yaml

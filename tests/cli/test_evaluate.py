@@ -229,6 +229,16 @@ def test_a_run_with_many_long_overrides_gets_a_short_folder(tmp_path, capsys, mo
     assert short_folder_name("decoding.k=2") == "decoding.k=2"
 
 
+def test_an_override_naming_a_file_gives_one_folder_not_a_tree():
+    from selfspec.cli.config import short_folder_name
+
+    name = short_folder_name("+method_options.x={draft:results/plans/p.json},decoding.k=2")
+    assert name == "+method_options.x={draft:results_plans_p.json},decoding.k=2"
+    long = short_folder_name("+method_options.x={draft:results/plans/" + "p" * 120 + ".json}")
+    assert "/" not in long and len(long) == 96
+    assert "\\" not in short_folder_name("a=b\\c")
+
+
 def _job_process(marker: str) -> int | None:
     """The pid of a job's own process whose command line holds ``marker`` (None while there is none)."""
     for proc in Path("/proc").iterdir():
