@@ -26,11 +26,13 @@ inline float quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2]) {
 }
 
 // Chunk c of a row's bytes (64 bytes, 128 inputs), loaded once: q[0] its low halves (inputs 0-63, block 2c), q[1]
-// its high halves (inputs 64-127, block 2c + 1).
+// its high halves (inputs 64-127, block 2c + 1). Two prefetches run ahead of it: into L1 (PREFETCH_BYTES) and, further,
+// into L2 (PREFETCH_L2_BYTES).
 inline void chunk_q(const uint8_t* wr, int64_t c, __m512i q[2]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const uint8_t* src = wr + c * 64;
   _mm_prefetch(reinterpret_cast<const char*>(src + PREFETCH_BYTES), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(src + PREFETCH_L2_BYTES), _MM_HINT_T1);
   const __m512i bytes = _mm512_loadu_si512(static_cast<const void*>(src));
   q[0] = _mm512_and_si512(bytes, low4);
   q[1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
