@@ -1,13 +1,15 @@
 """What a full-depth forward costs as a function of its width (tokens verified at once).
 
-    python scripts/verify_width.py [--model qwen2.5-coder-0.5b] [--widths 1 2 4 8 16 32] [--reps 9] [--kernels stock]
+    python scripts/verify_width.py [--model qwen2.5-coder-0.5b] [--widths 1 2 4 8 16 32] [--reps 9]
+                                   [--kernels packed [panels stock]]
 
-On the packed weights decoding uses (``--kernels stock``: the weights as loaded), after a prefill
-of one calibration prompt, times a forward over ``m`` tokens at the end of the context for each width, round-robin (so load
-changes hit all widths alike), with a chain mask (the model's own causal mask) and, for
-widths >= 3, with a draft tree's mask (a star: every node a child of the first), which is
-what a tree verify adds. Prints and appends one JSON line (medians, and the ratio to the
-one-token forward) to --out.
+On the packed weights decoding uses (``stock``: the weights as loaded; ``panels``: exact fp16 copies on our fp16
+panel kernel, this CPU's packing or not), after a prefill of one calibration prompt, times a forward over ``m``
+tokens at the end of the context for each width, round-robin (so load changes hit all widths alike), with a chain
+mask (the model's own causal mask) and, for widths >= 3, with a draft tree's mask (a star: every node a child of the
+first), which is what a tree verify adds. With more than one of ``--kernels``, each has a model instance of its own,
+timed in the same rotation, and ``over_first_kernel`` gives each width's median over the first kernel's. Prints and
+appends one JSON line (medians, and the ratio to the one-token forward) to --out.
 """
 
 from __future__ import annotations
@@ -24,8 +26,17 @@ from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
 from selfspec.engine.tree import DraftTree, tree_attention_mask
-from selfspec.kernels.packed import kernels_label, packed_weights
+from selfspec.kernels import fp16
+from selfspec.kernels.packed import kernels_label, packed_weights, weight_packer
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
+
+KINDS = {"packed": None, "panels": "fp16", "stock": None}  # --kernels -> the packing asked for
+
+
+def kernel_name(kernels: str) -> str:
+    if kernels == "panels":
+        return f"packed fp16 {fp16.label()}"
+    return kernels_label(kernels == "packed")
 
 
 def main() -> None:
@@ -33,15 +44,24 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--kernels", choices=["packed", "stock"], default="packed",
-                    help="the packed weights decoding uses (bf16, or fp16/fp32 copies on an AVX2 CPU), or the weights as loaded")
+    ap.add_argument("--kernels", nargs="+", choices=list(KINDS), default=["packed"],
+                    help="the packed weights decoding uses (bf16, or fp16/fp32 copies on an AVX2 CPU), our fp16 panel "
+                         "kernel's copies, or the weights as loaded; several: one model instance each, timed in turn")
     ap.add_argument("--out", default="results/verify_width.jsonl")
     args = ap.parse_args()
-    lm = load_model(args.model)
+    if "panels" in args.kernels and not fp16.available():
+        ap.error(f"--kernels panels: the fp16 panel kernel does not run here ({fp16.unavailable_reason()})")
+    kernels = list(dict.fromkeys(args.kernels))
+    models = {}
+    for kernels_ in kernels:
+        lm = load_model(args.model)
+        if kernels_ != "stock":
+            weight_packer(lm.model, kind=KINDS[kernels_])
+        models[kernels_] = lm
     prompt = calibration_prompts(lm.tokenizer, ["humaneval"], 1)[0]
     ctx = torch.tensor(prompt, dtype=torch.long)
     widest = max(args.widths)
-    cache = PositionalKVCache(lm.model, max_len=len(prompt) + widest)
+    caches = {k: PositionalKVCache(lm.model, max_len=len(prompt) + widest) for k, lm in models.items()}
     clock = Clock()
     trees = {}
     for m in args.widths:
@@ -52,31 +72,40 @@ def main() -> None:
                 tree.add_path([t], "b", parent=1)
             trees[m] = tree_attention_mask(lm.model, tree, len(prompt), "cpu"), torch.tensor(tree.depth)
     configs = [(str(m), m, None) for m in args.widths] + [(f"{m}/tree", m, "tree") for m in trees]
-    times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
-    with torch.inference_mode(), packed_weights(lm.model, on=args.kernels == "packed"):
-        forward_at(lm.model, cache, ctx, 0, keep=1)
+    times = {k: {name: [] for name, _, _ in configs} for k in kernels}
+    with torch.inference_mode():
+        for k, lm in models.items():
+            with packed_weights(lm.model, on=k != "stock"):
+                forward_at(lm.model, caches[k], ctx, 0, keep=1)
         for rep in range(args.reps + 1):
-            for name, m, kind in configs:
-                tokens = ctx[:m]
-                t0 = clock.now()
-                if kind:
-                    mask, depth = trees[m]
-                    forward_at(lm.model, cache, tokens, len(prompt), keep=m, position_ids=len(prompt) + depth,
-                               attention_mask=mask)
-                else:
-                    forward_at(lm.model, cache, tokens, len(prompt), keep=m)
-                dt = clock.now() - t0
-                if rep:  # repetition 0 is the warm-up
-                    times[name].append(dt)
-    med = {name: statistics.median(v) for name, v in times.items()}
-    one = med[str(min(args.widths))]
-    res = {"model": args.model, "kernels": kernels_label(args.kernels == "packed"), "context_tokens": len(prompt),
-           "reps": args.reps,
-           "median_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
-           "over_narrowest": {k: round(v / one, 3) for k, v in med.items()},
-           "machine": machine_fingerprint(), "git_commit": git_commit()}
-    print(json.dumps(res), flush=True)
-    append_row(args.out, res, echo=False)
+            for k in kernels[rep % len(kernels):] + kernels[:rep % len(kernels)]:
+                model, cache = models[k].model, caches[k]
+                with packed_weights(model, on=k != "stock"):
+                    for name, m, kind in configs:
+                        tokens = ctx[:m]
+                        t0 = clock.now()
+                        if kind:
+                            mask, depth = trees[m]
+                            forward_at(model, cache, tokens, len(prompt), keep=m, position_ids=len(prompt) + depth,
+                                       attention_mask=mask)
+                        else:
+                            forward_at(model, cache, tokens, len(prompt), keep=m)
+                        dt = clock.now() - t0
+                        if rep:  # repetition 0 is the warm-up
+                            times[k][name].append(dt)
+    med = {k: {name: statistics.median(v) for name, v in per.items()} for k, per in times.items()}
+    narrow = str(min(args.widths))
+    first = med[kernels[0]]
+    for k in kernels:
+        res = {"model": args.model, "kernels": kernel_name(k), "context_tokens": len(prompt), "reps": args.reps,
+               "median_ms": {n: round(v * 1e3, 2) for n, v in med[k].items()},
+               "over_narrowest": {n: round(v / med[k][narrow], 3) for n, v in med[k].items()},
+               "machine": machine_fingerprint(), "git_commit": git_commit()}
+        if len(kernels) > 1:
+            res["timed_with"] = [kernel_name(o) for o in kernels if o != k]
+            res["over_first_kernel"] = {n: round(v / first[n], 3) for n, v in med[k].items()}
+        print(json.dumps(res), flush=True)
+        append_row(args.out, res, echo=False)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 KERNELS = {"bf16": "packed", "fp16": "packed fp16", "fp32": "packed fp32", None: "stock"}
+PACK_KINDS = ("bf16", "fp16", "fp32")  # what PackedLinear's kind may ask for
 # fp32 copies serve inputs of this many rows or more; fewer go through the stock bf16 kernel (Qwen2.5-Coder-1.5B
 # forward on a 2-core Zen 3 EPYC, AVX2, scripts/verify_width.py: stock 1.75x / 3.25x / 4.79x of a one-row step at
 # 2 / 4 / 6 rows, fp32 copies 2.63x / 2.64x at 4 / 6; at 2 rows a scratch probe had the copies slower than stock,
@@ -180,18 +181,21 @@ class PackedLinear(LinearWrapper):
     """An ``nn.Linear`` that also keeps its weight prepacked, used while ``active``.
 
     ``kind``: ``bf16`` (oneDNN's layout), ``fp16`` (an exact fp16 copy, in our kernel's panels where ``panels``,
-    else prepacked for fbgemm) or ``fp32`` (an fp32 copy for oneDNN), as :func:`pack_format` says. A weight that fp16
+    else prepacked for fbgemm) or ``fp32`` (an fp32 copy for oneDNN), as :func:`pack_format` says, or as ``kind``
+    asks (``fp16`` on a CPU that packs bf16: to time our fp16 kernel against oneDNN there). A weight that fp16
     does not hold exactly is ``bf16 panels`` where our kernel runs (its bf16 values in the same panels: the same
     row-invariant sums, selfspec.kernels.fp16), else ``fp32``.
     Without its dense weight (:meth:`drop_dense`) it always computes on the packed one.
     """
 
-    def __init__(self, inner: nn.Linear, pinned: bool = False) -> None:
+    def __init__(self, inner: nn.Linear, pinned: bool = False, kind: str | None = None) -> None:
         super().__init__(inner)
         w = inner.weight.detach()
-        self.kind = pack_format()
+        if kind not in (None, *PACK_KINDS):
+            raise ValueError(f"packed kind {kind!r}: one of {PACK_KINDS}")
+        self.kind = kind or pack_format()
         wide = w.float() if self.kind in ("fp16", "fp32") else None  # converted once: the 1.5B's head is 0.9 GB in fp32
-        self.panels = self.kind == "fp16" and fp16_kernel() != "fbgemm"  # our kernel's layout (selfspec.kernels.fp16)
+        self.panels = self.kind == "fp16" and fp16.available()  # our kernel's layout (selfspec.kernels.fp16)
         if self.kind == "fp16" and not torch.equal(w.half().float(), wide):
             self.kind = "bf16 panels" if self.panels else "fp32"
         if self.panels:
@@ -260,12 +264,14 @@ class PackedLinear(LinearWrapper):
 
 
 class WeightPacker:
-    """Owns the :class:`PackedLinear` wrappers of one model; switch them on with :meth:`packed`."""
+    """Owns the :class:`PackedLinear` wrappers of one model; switch them on with :meth:`packed`. ``kind``: the
+    packing of all of them (:class:`PackedLinear`), None for this CPU's."""
 
-    def __init__(self, model: nn.Module, keep_dense: bool = True) -> None:
+    def __init__(self, model: nn.Module, keep_dense: bool = True, kind: str | None = None) -> None:
         self.model = model
         self.keeps_dense = keep_dense
-        self.linears: list[PackedLinear] = _wrap(model, keep_dense)
+        self.kind = kind
+        self.linears: list[PackedLinear] = _wrap(model, keep_dense, kind)
         if not packing_supported() and any(p.dtype == torch.bfloat16 and p.device.type == "cpu"
                                            for p in model.parameters()):
             _say_unpacked()
@@ -317,7 +323,7 @@ def _say_unpacked() -> None:
           f"(that needs AVX-512 or AVX-NE-CONVERT): {how}", file=sys.stderr)
 
 
-def _wrap(model: nn.Module, keep_dense: bool) -> list[PackedLinear]:
+def _wrap(model: nn.Module, keep_dense: bool, kind: str | None = None) -> list[PackedLinear]:
     """Wraps every packable linear of ``model``; without ``keep_dense`` frees each dense weight that may go.
 
     Also looks inside other wrappers (skippable sublayers, draft linears, the cut head).
@@ -330,7 +336,7 @@ def _wrap(model: nn.Module, keep_dense: bool) -> list[PackedLinear]:
     linears = wrap_descendants(
         model, PackedLinear,
         match=lambda m: isinstance(m, nn.Linear) and can_pack(m.weight),
-        make=lambda m: PackedLinear(m, pinned=counts[id(m.weight)] > 1 or m.weight is head_weight),
+        make=lambda m: PackedLinear(m, pinned=counts[id(m.weight)] > 1 or m.weight is head_weight, kind=kind),
     )
     if not keep_dense:
         for lin in linears:
@@ -357,13 +363,16 @@ def _unmap_checkpoint(model: nn.Module) -> None:
 _PACKER_ATTR = "_selfspec_packer"
 
 
-def weight_packer(model: nn.Module, keep_dense: bool | None = None) -> WeightPacker:
+def weight_packer(model: nn.Module, keep_dense: bool | None = None, kind: str | None = None) -> WeightPacker:
     """The :class:`WeightPacker` of ``model``, packing its linears on first use (a few seconds for 1.5B).
 
     ``keep_dense``: keep (True) or free (False) the dense weights beside the packed
-    ones; None leaves them as they are (kept, when packing now).
+    ones; None leaves them as they are (kept, when packing now). ``kind``: the packing, when packing now
+    (:class:`PackedLinear`); a model already packed another way is an error.
     """
-    packer = instance_state(model, _PACKER_ATTR, lambda: WeightPacker(model, keep_dense is not False))
+    packer = instance_state(model, _PACKER_ATTR, lambda: WeightPacker(model, keep_dense is not False, kind))
+    if kind is not None and packer.kind != kind:
+        raise ValueError(f"this model's weights are packed as {packer.kind or pack_format()}, not {kind}")
     if keep_dense is not None:
         packer.keep_dense(keep_dense)  # nothing to do when they already are
     return packer

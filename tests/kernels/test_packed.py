@@ -333,3 +333,26 @@ def test_the_padded_width_defaults_to_the_cpus(monkeypatch, fmt, rows):
     assert decode_config(OmegaConf.create({"decoding": cfg}), 16, None).rows == rows
     cfg.rows = 4
     assert decode_config(OmegaConf.create({"decoding": cfg}), 16, None).rows == 4
+
+
+@needs_packing
+def test_a_model_packed_as_fp16_on_a_cpu_that_packs_bf16_computes_on_our_panels_beside_one_on_onednn():
+    from selfspec.kernels import fp16
+
+    if not fp16.available():
+        pytest.skip(f"our fp16 kernel does not run here: {fp16.unavailable_reason()}")
+    onednn, panels = _bf16(), _bf16()
+    x = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        want = onednn(input_ids=x).logits
+        packers = weight_packer(onednn), weight_packer(panels, kind="fp16")
+        assert {lin.kind for lin in packers[0].linears} == {"bf16"}
+        assert all(lin.panels and lin.kind in ("fp16", "bf16 panels") for lin in packers[1].linears)
+        with packers[1].packed():
+            got = panels(input_ids=x).logits
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)  # up to the order of the sums
+    assert weight_packer(panels, kind="fp16") is packers[1]
+    with pytest.raises(ValueError, match="packed as fp16, not bf16"):
+        weight_packer(panels, kind="bf16")
+    with pytest.raises(ValueError, match="packed kind 'int4'"):
+        PackedLinear(torch.nn.Linear(8, 8).to(torch.bfloat16), kind="int4")

@@ -129,3 +129,20 @@ def test_roofline_sets_each_product_against_the_machine_s_limits(tmp_path):
     if "int4 x1" in row["products"]:  # the int4 kernel, where it runs: also timed on weights that stay in cache
         int4 = row["products"]["int4 x1"]
         assert int4["in_cache_gb_s"] > 0 and int4["from_memory_over_in_cache"] > 0
+
+
+def test_verify_width_times_two_kernels_in_one_rotation(tmp_path):
+    from selfspec.kernels import fp16
+    from selfspec.kernels.packed import packing_supported
+
+    kernels = ["packed", "panels"] if fp16.available() else ["packed", "stock"]
+    out = tmp_path / "width.jsonl"
+    p = _script("verify_width.py", "--model", "tiny-llama", "--widths", "1", "3", "--reps", "2",
+                "--kernels", *kernels, "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and len({r["kernels"] for r in rows}) == 2
+    assert rows[0]["over_first_kernel"] == {"1": 1.0, "3": 1.0, "3/tree": 1.0}
+    assert all(v > 0 for v in rows[1]["over_first_kernel"].values()) and rows[1]["timed_with"] == [rows[0]["kernels"]]
+    if kernels[1] == "panels" and packing_supported():
+        assert rows[1]["kernels"].startswith("packed fp16 panels") and rows[0]["kernels"] == "packed"
