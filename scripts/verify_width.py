@@ -96,11 +96,12 @@ def main() -> None:
     med = {k: {name: statistics.median(v) for name, v in per.items()} for k, per in times.items()}
     narrow = str(min(args.widths))
     first = med[kernels[0]]
+    machine, commit = machine_fingerprint(), git_commit()  # before the first row is appended to --out
     for k in kernels:
         res = {"model": args.model, "kernels": kernel_name(k), "context_tokens": len(prompt), "reps": args.reps,
                "median_ms": {n: round(v * 1e3, 2) for n, v in med[k].items()},
                "over_narrowest": {n: round(v / med[k][narrow], 3) for n, v in med[k].items()},
-               "machine": machine_fingerprint(), "git_commit": git_commit()}
+               "machine": machine, "git_commit": commit}
         if len(kernels) > 1:
             res["timed_with"] = [kernel_name(o) for o in kernels if o != k]
             res["over_first_kernel"] = {n: round(v / first[n], 3) for n, v in med[k].items()}

@@ -30,6 +30,10 @@ from selfspec.kernels import vnni
 
 SOURCE = Path(__file__).parent / "csrc" / "fp16_panels.cpp"
 FLAGS = ("fma", "avx2", "f16c")
+# the builds, best first: name -> (the CPU flags it needs, the compiler's flags); the AVX-512 one computes the same
+# bits (one FMA chain per output either way) with blocks of up to 12 rows in zmm registers
+BUILDS = {"avx512": (("fma", "f16c", "avx512f"), ("-mfma", "-mavx2", "-mf16c", "-mavx512f")),
+          "avx2": (FLAGS, ("-mfma", "-mavx2", "-mf16c"))}
 REVISION = 4  # a change that moves its speed is a new revision: cost models timed on another re-measure (r3: bf16
 # panels for weights fp16 does not hold, which ran on oneDNN's fp32 kernel before; r4: blocks of 6 rows, one FMA chain
 # per output, so a 6-row forward passes over the weights once)
@@ -47,8 +51,8 @@ def unavailable_reason() -> str | None:
 
 
 def label() -> str:
-    """The kernel's name in records: ``panels r<revision>``."""
-    return f"panels r{REVISION}"
+    """The kernel's name in records: ``panels r<revision>``, ``panels avx512 r<revision>`` for the AVX-512 build."""
+    return f"panels r{REVISION}" if _KERNEL.load()[2] != "avx512" else f"panels avx512 r{REVISION}"
 
 
 def build_in_background() -> threading.Thread:
@@ -58,13 +62,14 @@ def build_in_background() -> threading.Thread:
 
 @functools.cache
 def _load_once():
-    return vnni.load_kernel(ENV, "fbgemm", {"panels": FLAGS}, lambda _: build(),
+    return vnni.load_kernel(ENV, "fbgemm", {name: needs for name, (needs, _) in BUILDS.items()}, build,
                             "packed fp16 products run on fbgemm's kernel, not ours")
 
 
-def build():
-    """Compile (or load the cached build of) the kernel; its operators, ``torch.ops.selfspec_fp16``."""
-    vnni.compile_extension(SOURCE, "fp16_panels", ["-O3", "-fopenmp", "-mfma", "-mavx2", "-mf16c"])
+def build(name: str = "avx2"):
+    """Compile (or load the cached) build ``name`` of :data:`BUILDS`; its operators, ``torch.ops.selfspec_fp16``."""
+    suffix = "" if name == "avx2" else f"-{name}"  # the AVX2 build keeps the folder it had
+    vnni.compile_extension(SOURCE, f"fp16_panels{suffix}", ["-O3", "-fopenmp", *BUILDS[name][1]])
     return torch.ops.selfspec_fp16
 
 

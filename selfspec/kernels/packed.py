@@ -195,7 +195,8 @@ class PackedLinear(LinearWrapper):
             raise ValueError(f"packed kind {kind!r}: one of {PACK_KINDS}")
         self.kind = kind or pack_format()
         wide = w.float() if self.kind in ("fp16", "fp32") else None  # converted once: the 1.5B's head is 0.9 GB in fp32
-        self.panels = self.kind == "fp16" and fp16.available()  # our kernel's layout (selfspec.kernels.fp16)
+        # our kernel's layout (selfspec.kernels.fp16): this CPU's fp16 kernel, or ours where fp16 is asked for
+        self.panels = self.kind == "fp16" and (fp16.available() if kind else fp16_kernel() != "fbgemm")
         if self.kind == "fp16" and not torch.equal(w.half().float(), wide):
             self.kind = "bf16 panels" if self.panels else "fp32"
         if self.panels:

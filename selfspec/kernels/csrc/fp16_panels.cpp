@@ -12,6 +12,10 @@
 // sums run in fp32 in another order than fbgemm's: the same numbers up to rounding, rounded once to the output's
 // dtype.
 //
+// Where the CPU has AVX-512 F the same file builds with 512-bit vectors (blocks of up to 12 rows, the same bits):
+// oneDNN's bf16 products serve such CPUs by default, and this build runs where a model is packed as fp16 on purpose
+// (selfspec.kernels.packed.weight_packer's kind; scripts/verify_width.py --kernels panels).
+//
 // Row-invariant: every row's sum runs in the same order whatever the call's row count or the row's place in it (one
 // chain of FMAs per output over the inputs, block after block), so a row computes the same bits in a one-row step as
 // in a verify (docs/numerics.md). One chain leaves a single row waiting on the FMA's latency, which still runs well
@@ -29,7 +33,62 @@
 namespace {
 constexpr int64_t KC = 256;        // inputs per block: a panel's block (8 KiB) stays in L1 across the row blocks
 constexpr int PF_AHEAD = 4096;     // software prefetch distance in a panel (bytes; 2048 read a little slower)
+constexpr int PF_L2 = 16384;       // AVX-512: a second prefetch, into L2, this far ahead (as the int4 kernel's)
 
+#if defined(__AVX512F__)
+// The AVX-512 build (selfspec/kernels/fp16.py builds it where the CPU has AVX-512 F): a panel's 16 outputs are one
+// zmm register, so a block takes up to 12 rows, one accumulator each; the same single FMA chain per output over the
+// inputs, so the same bits as the AVX2 build, row for row.
+template <bool BF16>
+inline __m512 widen16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  else return _mm512_cvtph_ps(h);
+}
+template <int MR, bool PF, bool BF16>
+inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, float* c, bool load_c) {
+  __m512 acc[MR];
+#pragma GCC unroll 12
+  for (int m = 0; m < MR; ++m) acc[m] = load_c ? _mm512_loadu_ps(c + m * 16) : _mm512_setzero_ps();
+  const auto input = [&](int64_t k) __attribute__((always_inline)) {
+    const __m512 w0 = widen16<BF16>(w + k * 16);
+#pragma GCC unroll 12
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), w0, acc[m]);
+  };
+  int64_t k = 0;
+  for (; k + 2 <= kc; k += 2) {
+    if constexpr (PF) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PF_AHEAD, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PF_L2, _MM_HINT_T1);
+    }
+    input(k);
+    input(k + 1);
+  }
+  if (k < kc) input(k);
+#pragma GCC unroll 12
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(c + m * 16, acc[m]);
+}
+constexpr int64_t MR_MAX = 12;  // rows per block: 12 accumulators, a weight and a broadcast in 32 zmm registers
+
+// Calls f with the row count 1..MR_MAX as a compile-time constant.
+template <typename F>
+inline void with_rows(int64_t mr, F&& f) {
+  switch (mr) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 9: f(std::integral_constant<int, 9>{}); break;
+    case 10: f(std::integral_constant<int, 10>{}); break;
+    case 11: f(std::integral_constant<int, 11>{}); break;
+    default: f(std::integral_constant<int, 12>{}); break;
+  }
+}
+#else  // AVX2
 // 8 weights of a panel row as fp32: fp16 (F16C) or bf16 (a shift of 16 bits), exact either way
 template <bool BF16>
 inline __m256 widen(const uint16_t* p) {
@@ -87,6 +146,8 @@ inline void with_rows(int64_t mr, F&& f) {
     default: f(std::integral_constant<int, 6>{}); break;
   }
 }
+
+#endif  // AVX-512 or AVX2
 
 // x [M, K] bf16 or fp32, w [P, K, 16] fp16 (or bf16) panels, bias fp32 [n_out] or none -> [M, n_out] in x's dtype.
 // The threads split the panels; each computes a panel's M x 16 outputs in fp32 (a tile) and rounds them once.
