@@ -1,15 +1,16 @@
 """What a full-depth forward costs as a function of its width (tokens verified at once).
 
     python scripts/verify_width.py [--model qwen2.5-coder-0.5b] [--widths 1 2 4 8 16 32] [--reps 9]
-                                   [--kernels packed [panels stock]]
+                                   [--kernels packed [onednn panels stock]]
 
-On the packed weights decoding uses (``stock``: the weights as loaded; ``panels``: exact fp16 copies on our fp16
-panel kernel, this CPU's packing or not), after a prefill of one calibration prompt, times a forward over ``m``
-tokens at the end of the context for each width, round-robin (so load changes hit all widths alike), with a chain
-mask (the model's own causal mask) and, for widths >= 3, with a draft tree's mask (a star: every node a child of the
-first), which is what a tree verify adds. With more than one of ``--kernels``, each has a model instance of its own,
-timed in the same rotation, and ``over_first_kernel`` gives each width's median over the first kernel's. Prints and
-appends one JSON line (medians, and the ratio to the one-token forward) to --out.
+On the packed weights decoding uses (``stock``: the weights as loaded; ``onednn``: bf16 packed for oneDNN;
+``panels``: exact fp16 copies on our fp16 panel kernel; either whatever this CPU's own packing is), after a prefill
+of one calibration prompt, times a forward over ``m`` tokens at the end of the context for each width, round-robin
+(so load changes hit all widths alike), with a chain mask (the model's own causal mask) and, for widths >= 3, with a
+draft tree's mask (a star: every node a child of the first), which is what a tree verify adds. With more than one of
+``--kernels``, each has a model instance of its own, timed in the same rotation, and ``over_first_kernel`` gives
+each width's median over the first kernel's. Prints and appends one JSON line (medians, and the ratio to the
+one-token forward) to --out.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from selfspec.kernels import fp16
 from selfspec.kernels.packed import kernels_label, packed_weights, weight_packer
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
-KINDS = {"packed": None, "panels": "fp16", "stock": None}  # --kernels -> the packing asked for
+KINDS = {"packed": None, "onednn": "bf16", "panels": "fp16", "stock": None}  # --kernels -> the packing asked for
 
 
 def kernel_name(kernels: str) -> str:
     if kernels == "panels":
         return f"packed fp16 {fp16.label()}"
+    if kernels == "onednn":
+        return "packed bf16"
     return kernels_label(kernels == "packed")
 
 
@@ -45,8 +48,8 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--kernels", nargs="+", choices=list(KINDS), default=["packed"],
-                    help="the packed weights decoding uses (bf16, or fp16/fp32 copies on an AVX2 CPU), our fp16 panel "
-                         "kernel's copies, or the weights as loaded; several: one model instance each, timed in turn")
+                    help="the packed weights decoding uses on this CPU, oneDNN's bf16 packs, our fp16 panel kernel's "
+                         "copies, or the weights as loaded; several: one model instance each, timed in turn")
     ap.add_argument("--out", default="results/verify_width.jsonl")
     args = ap.parse_args()
     if "panels" in args.kernels and not fp16.available():

@@ -1,23 +1,17 @@
 """Linear weights prepacked for oneDNN, used by our decoding loop (a lean-loop option).
 
-A one-token decode step is a chain of matrix-vector products, and on CPU the
-stock ``nn.Linear`` hands oneDNN a plain row-major weight on every call.
-Reordering each bf16 weight once into oneDNN's blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``) and calling
-``torch.ops.mkldnn._linear_pointwise`` on it reads the same bytes faster: on
-this 2-core CPU one 1536x8960 product went from ~19 to ~26 GB/s of weights
-(docs/log.md). In bf16 the result is bit-identical to ``nn.Linear``'s, so
-decoding with packed weights emits the same tokens as without.
+A one-token decode step is a chain of matrix-vector products, and on CPU the stock ``nn.Linear`` hands oneDNN a
+plain row-major weight on every call. Reordering each bf16 weight once into oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``) and calling ``torch.ops.mkldnn._linear_pointwise`` on it reads the same
+bytes faster: on a 2-core Zen 4 one 1536x8960 product went from ~19 to ~26 GB/s of weights (docs/log.md). In bf16
+the result is bit-identical to ``nn.Linear``'s, so decoding with packed weights emits the same tokens as without.
 
-:func:`weight_packer` wraps every ``nn.Linear`` of *one* model instance in
-place with a :class:`PackedLinear` (no transformers class is patched) and
-keeps the packed copies; they are used only inside
-``with packer.packed():``, which both of our decoding methods enter, so the
-autoregressive baseline and self-speculative decoding share the same forward
-path. Outside the block every linear computes exactly as before (the
-transformers baselines in the same process run the stock model). The copies
-are extra memory (:attr:`WeightPacker.extra_bytes`); only bf16 weights on CPU
-are packed, everything else runs as loaded.
+:func:`weight_packer` wraps every ``nn.Linear`` of *one* model instance in place with a :class:`PackedLinear` (no
+transformers class is patched) and keeps the packed copies; they are used only inside ``with packer.packed():``,
+which both of our decoding methods enter, so the autoregressive baseline and self-speculative decoding share the
+same forward path. Outside the block every linear computes exactly as before (the transformers baselines in the same
+process run the stock model). The copies are extra memory (:attr:`WeightPacker.extra_bytes`); only bf16 weights on
+CPU are packed, everything else runs as loaded.
 
 oneDNN prepacks bf16 only on CPUs with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT (:func:`packing_supported`). On others
 (an AVX2-only CPU, e.g. a Zen 3 EPYC) the stock bf16 kernel is slow for one row and costs about as much per extra
@@ -37,20 +31,21 @@ bf16 weights' memory again. Without fbgemm (``fp32``) every weight gets the fp32
 :data:`FP32_MIN_ROWS` rows or more (fewer keep the stock bf16 kernel, faster there), at twice the bf16 weights'
 memory. Each method records which kernels it ran on (``kernels``), and a line on stderr says so once.
 
-``keep_dense=False`` frees the dense weights once packed; only the packed
-copies of weights that must stay dense are then extra: a weight shared with
-another module (tied embeddings) and the LM head's, whose rows the draft's cut
-head gathers per request (:mod:`selfspec.draft.path`). The model then computes on
-the packed weights everywhere (the same results), and ``weight`` rebuilds a
-dense weight exactly from the packed copy when something reads it
-(``to_dense``, ~50 ms for a 1536x8960 weight). As transformers maps the
-checkpoint file into memory, the other tensors are then copied out of it so
-that the mapping, and the freed weights' pages, can go.
+On a CPU with AMX (a Xeon) the weights get fp16 copies on our kernel's AVX-512 build too: the 1.5B's one-token
+forward took 0.75 of oneDNN's time there (docs/kernels.md). ``SELFSPEC_PACK=bf16`` / ``fp16`` asks for one packing.
+
+``keep_dense=False`` frees the dense weights once packed; only the packed copies of weights that must stay dense are
+then extra: a weight shared with another module (tied embeddings) and the LM head's, whose rows the draft's cut head
+gathers per request (:mod:`selfspec.draft.path`). The model then computes on the packed weights everywhere (the same
+results), and ``weight`` rebuilds a dense weight exactly from the packed copy when something reads it (``to_dense``,
+~50 ms for a 1536x8960 weight). As transformers maps the checkpoint file into memory, the other tensors are then
+copied out of it so that the mapping, and the freed weights' pages, can go.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,7 +53,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from selfspec.kernels import fp16, widths
+from selfspec.errors import SelfSpecError
+from selfspec.kernels import fp16, vnni, widths
 from selfspec.model.wrap import instance_state, wrap_descendants
 
 
@@ -94,11 +90,19 @@ def fbgemm_fp16() -> bool:
     return True
 
 
+PACK_ENV = "SELFSPEC_PACK"  # bf16 or fp16: the full model's packing whatever the CPU (where it runs)
+
+
 @functools.cache
 def pack_format() -> str | None:
-    """How bf16 weights are packed on this CPU: ``bf16`` where oneDNN packs them; else ``fp16`` (exact fp16
-    copies for fbgemm's fp16 kernel) or, without fbgemm, ``fp32`` (copies for oneDNN's fp32 kernel, used for
-    inputs of :data:`FP32_MIN_ROWS` rows or more); None with neither."""
+    """How bf16 weights are packed here: ``bf16`` where oneDNN packs them but not with AMX; else ``fp16`` (exact fp16
+    copies, on our kernel or fbgemm's: :func:`fp16_kernel`) or, without fbgemm, ``fp32`` (copies for oneDNN's fp32
+    kernel, for inputs of :data:`FP32_MIN_ROWS` rows or more); None with neither. :data:`PACK_ENV` may ask for one."""
+    asked = os.environ.get(PACK_ENV, "")
+    if asked not in ("", "bf16", "fp16"):
+        raise SelfSpecError(f"{PACK_ENV}={asked}: bf16 (oneDNN) or fp16 (exact fp16 copies), or unset")
+    if asked == "fp16" or (not asked and packing_supported() and "amx_bf16" in vnni.cpu_flags()):
+        return "fp16"  # on AMX: our panels' one-row products beat oneDNN's bf16 ones (docs/kernels.md)
     if packing_supported():
         return "bf16"
     if fbgemm_fp16():
@@ -135,8 +139,8 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and pack_format() is not None
 
 
-KERNELS = {"bf16": "packed", "fp16": "packed fp16", "fp32": "packed fp32", None: "stock"}
-PACK_KINDS = ("bf16", "fp16", "fp32")  # what PackedLinear's kind may ask for
+KERNELS = {"bf16": "packed", "fp16": "packed fp16", "fp32": "packed fp32", None: "stock"}  # kinds: PackedLinear's
+PACK_KINDS = tuple(k for k in KERNELS if k)
 # fp32 copies serve inputs of this many rows or more; fewer go through the stock bf16 kernel (Qwen2.5-Coder-1.5B
 # forward on a 2-core Zen 3 EPYC, AVX2, scripts/verify_width.py: stock 1.75x / 3.25x / 4.79x of a one-row step at
 # 2 / 4 / 6 rows, fp32 copies 2.63x / 2.64x at 4 / 6; at 2 rows a scratch probe had the copies slower than stock,

@@ -223,8 +223,38 @@ def test_a_cpu_that_cannot_pack_bf16_runs_every_method_on_the_stock_kernels(monk
     assert packed_module.kernels_label(True) == "stock" and packed_module.kernels_label(False) == "stock"
 
 
+@pytest.fixture
+def bf16_packing(monkeypatch):
+    """The full model packed for oneDNN in bf16, as on a CPU with AVX-512 and no AMX."""
+    monkeypatch.setenv(packed_module.PACK_ENV, "bf16")
+    packed_module.pack_format.cache_clear()
+    yield
+    monkeypatch.delenv(packed_module.PACK_ENV)
+    packed_module.pack_format.cache_clear()
+
+
+@pytest.mark.parametrize("flags, asked, want", [({"avx512f"}, "", "bf16"), ({"avx512f", "amx_bf16"}, "", "fp16"),
+                                                ({"avx512f", "amx_bf16"}, "bf16", "bf16"), ({"avx512f"}, "fp16", "fp16")])
+def test_a_cpu_with_amx_packs_the_full_model_as_fp16_unless_asked_otherwise(monkeypatch, flags, asked, want):
+    from selfspec.kernels import vnni
+
+    monkeypatch.setattr(packed_module, "packing_supported", lambda: True)
+    monkeypatch.setattr(vnni, "cpu_flags", lambda: flags)
+    monkeypatch.setenv(packed_module.PACK_ENV, asked)
+    packed_module.pack_format.cache_clear()
+    try:
+        assert packed_module.pack_format() == want
+        monkeypatch.setenv(packed_module.PACK_ENV, "int4")
+        packed_module.pack_format.cache_clear()
+        with pytest.raises(SelfSpecError, match="SELFSPEC_PACK=int4: bf16"):
+            packed_module.pack_format()
+    finally:
+        monkeypatch.delenv(packed_module.PACK_ENV)
+        packed_module.pack_format.cache_clear()
+
+
 @needs_packing
-def test_a_cpu_that_packs_bf16_records_the_packed_kernels():
+def test_a_cpu_that_packs_bf16_records_the_packed_kernels(bf16_packing):
     from selfspec.eval.records import decode_record
 
     assert decode_record(DecodeConfig())["packed_weights"] is True
@@ -345,13 +375,13 @@ def test_a_model_packed_as_fp16_on_a_cpu_that_packs_bf16_computes_on_our_panels_
     x = torch.tensor([PROMPT])
     with torch.inference_mode():
         want = onednn(input_ids=x).logits
-        packers = weight_packer(onednn), weight_packer(panels, kind="fp16")
+        packers = weight_packer(onednn, kind="bf16"), weight_packer(panels, kind="fp16")
         assert {lin.kind for lin in packers[0].linears} == {"bf16"}
         assert all(lin.panels and lin.kind in ("fp16", "bf16 panels") for lin in packers[1].linears)
         with packers[1].packed():
             got = panels(input_ids=x).logits
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)  # up to the order of the sums
-    assert weight_packer(panels, kind="fp16") is packers[1]
+    assert weight_packer(panels, kind="fp16") is packers[1] and weight_packer(panels) is packers[1]
     with pytest.raises(ValueError, match="packed as fp16, not bf16"):
         weight_packer(panels, kind="bf16")
     with pytest.raises(ValueError, match="packed kind 'int4'"):

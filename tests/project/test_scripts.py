@@ -135,7 +135,7 @@ def test_verify_width_times_two_kernels_in_one_rotation(tmp_path):
     from selfspec.kernels import fp16
     from selfspec.kernels.packed import packing_supported
 
-    kernels = ["packed", "panels"] if fp16.available() else ["packed", "stock"]
+    kernels = ["onednn", "panels"] if fp16.available() and packing_supported() else ["packed", "stock"]
     out = tmp_path / "width.jsonl"
     p = _script("verify_width.py", "--model", "tiny-llama", "--widths", "1", "3", "--reps", "2",
                 "--kernels", *kernels, "--out", str(out))
@@ -144,5 +144,5 @@ def test_verify_width_times_two_kernels_in_one_rotation(tmp_path):
     assert len(rows) == 2 and len({r["kernels"] for r in rows}) == 2
     assert rows[0]["over_first_kernel"] == {"1": 1.0, "3": 1.0, "3/tree": 1.0}
     assert all(v > 0 for v in rows[1]["over_first_kernel"].values()) and rows[1]["timed_with"] == [rows[0]["kernels"]]
-    if kernels[1] == "panels" and packing_supported():
-        assert rows[1]["kernels"].startswith("packed fp16 panels") and rows[0]["kernels"] == "packed"
+    if kernels[1] == "panels":
+        assert rows[1]["kernels"].startswith("packed fp16 panels") and rows[0]["kernels"] == "packed bf16"
