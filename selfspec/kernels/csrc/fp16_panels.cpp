@@ -37,8 +37,9 @@ constexpr int PF_L2 = 16384;       // AVX-512: a second prefetch, into L2, this 
 
 #if defined(__AVX512F__)
 // The AVX-512 build (selfspec/kernels/fp16.py builds it where the CPU has AVX-512 F): a panel's 16 outputs are one
-// zmm register, so a block takes up to 12 rows, one accumulator each; the same single FMA chain per output over the
-// inputs, so the same bits as the AVX2 build, row for row.
+// zmm register, so a block takes up to 12 rows, one accumulator each, and a pass takes two panels where the thread
+// has two left (micro2); the same single FMA chain per output over the inputs, so the same bits as the AVX2 build,
+// row for row, whatever the pairing.
 template <bool BF16>
 inline __m512 widen16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -67,6 +68,45 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, fl
   if (k < kc) input(k);
 #pragma GCC unroll 12
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(c + m * 16, acc[m]);
+}
+
+// Two panels at once (32 outputs): each row's broadcast input feeds two FMAs, so 12 rows take 14 loads for 24 FMAs
+// where one panel takes 13 for 12. c holds the two panels' tiles side by side: c[m * 32 + 0..15], [m * 32 + 16..31].
+template <int MR, bool PF, bool BF16>
+inline void micro2(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* v, int64_t kc, float* c,
+                   bool load_c) {
+  __m512 a[MR], b[MR];
+#pragma GCC unroll 12
+  for (int m = 0; m < MR; ++m) {
+    a[m] = load_c ? _mm512_loadu_ps(c + m * 32) : _mm512_setzero_ps();
+    b[m] = load_c ? _mm512_loadu_ps(c + m * 32 + 16) : _mm512_setzero_ps();
+  }
+  const auto input = [&](int64_t k) __attribute__((always_inline)) {
+    const __m512 w0 = widen16<BF16>(w + k * 16), v0 = widen16<BF16>(v + k * 16);
+#pragma GCC unroll 12
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      a[m] = _mm512_fmadd_ps(xb, w0, a[m]);
+      b[m] = _mm512_fmadd_ps(xb, v0, b[m]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 2 <= kc; k += 2) {
+    if constexpr (PF) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PF_AHEAD, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v + k * 16) + PF_AHEAD, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PF_L2, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(v + k * 16) + PF_L2, _MM_HINT_T1);
+    }
+    input(k);
+    input(k + 1);
+  }
+  if (k < kc) input(k);
+#pragma GCC unroll 12
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(c + m * 32, a[m]);
+    _mm512_storeu_ps(c + m * 32 + 16, b[m]);
+  }
 }
 constexpr int64_t MR_MAX = 12;  // rows per block: 12 accumulators, a weight and a broadcast in 32 zmm registers
 
@@ -150,7 +190,8 @@ inline void with_rows(int64_t mr, F&& f) {
 #endif  // AVX-512 or AVX2
 
 // x [M, K] bf16 or fp32, w [P, K, 16] fp16 (or bf16) panels, bias fp32 [n_out] or none -> [M, n_out] in x's dtype.
-// The threads split the panels; each computes a panel's M x 16 outputs in fp32 (a tile) and rounds them once.
+// The threads split the panels; each computes a panel's M x 16 outputs (two panels' M x 32 on AVX-512) in fp32 (a
+// tile) and rounds them once.
 at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n_out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == 16 && w.is_contiguous() &&
               (w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16),
@@ -170,8 +211,14 @@ at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional
   at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   float* of = bf16 ? nullptr : out.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> tile(M * 16);
-    for (int64_t p = p0; p < p1; ++p) {
+    std::vector<float> tile(M * 32);
+    for (int64_t p = p0; p < p1;) {
+#if defined(__AVX512F__)
+      const int64_t np = p + 1 < p1 ? 2 : 1;  // panels this pass: two where the thread has two left
+#else
+      const int64_t np = 1;
+#endif
+      const int64_t stride = 16 * np;  // the tile's floats a row
       const uint16_t* wpan = wp + p * K * 16;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
@@ -181,21 +228,33 @@ at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional
             const auto block = [&](auto bf16_panel) {  // the panel's weight type as a compile-time constant
               constexpr bool B = decltype(bf16_panel)::value;
               const float* xr = xp + m0 * K + k0;
-              if (m0 == 0) micro<R, true, B>(xr, K, wpan + k0 * 16, kc, tile.data() + m0 * 16, k0 > 0);
-              else micro<R, false, B>(xr, K, wpan + k0 * 16, kc, tile.data() + m0 * 16, k0 > 0);
+              float* c = tile.data() + m0 * stride;
+#if defined(__AVX512F__)
+              if (np == 2) {
+                const uint16_t* vpan = wpan + K * 16;
+                if (m0 == 0) micro2<R, true, B>(xr, K, wpan + k0 * 16, vpan + k0 * 16, kc, c, k0 > 0);
+                else micro2<R, false, B>(xr, K, wpan + k0 * 16, vpan + k0 * 16, kc, c, k0 > 0);
+                return;
+              }
+#endif
+              if (m0 == 0) micro<R, true, B>(xr, K, wpan + k0 * 16, kc, c, k0 > 0);
+              else micro<R, false, B>(xr, K, wpan + k0 * 16, kc, c, k0 > 0);
             };
             if (wide_bf16) block(std::true_type{});
             else block(std::false_type{});
           });
         }
       }
-      const int64_t n0 = p * 16, nn = std::min<int64_t>(16, n_out - n0);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < nn; ++j) {
-          const float v = tile[m * 16 + j] + (bp ? bp[n0 + j] : 0.f);
-          if (ob) ob[m * n_out + n0 + j] = c10::BFloat16(v);
-          else of[m * n_out + n0 + j] = v;
-        }
+      for (int64_t q = 0; q < np; ++q) {
+        const int64_t n0 = (p + q) * 16, nn = std::min<int64_t>(16, n_out - n0);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = 0; j < nn; ++j) {
+            const float v = tile[m * stride + q * 16 + j] + (bp ? bp[n0 + j] : 0.f);
+            if (ob) ob[m * n_out + n0 + j] = c10::BFloat16(v);
+            else of[m * n_out + n0 + j] = v;
+          }
+      }
+      p += np;
     }
   });
   return out;
