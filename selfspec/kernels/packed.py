@@ -18,28 +18,23 @@ oneDNN prepacks bf16 only on CPUs with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT (:
 row as for the first (a 6-row forward of the 1.5B ran 4.8x a one-row step there), which would make every verify pass
 as dear as several plain steps. There (:func:`pack_format` ``fp16``) each bf16 weight gets an fp16 copy, used for
 every input: the packed products read fp16 weights, accumulate in fp32 and are rounded back to bf16. Our kernel
-computes them where it builds (:mod:`selfspec.kernels.fp16`: the copy in panels of 16 outputs, read once for all
-rows of a forward: a verify of up to 3 rows of the 1.5B costs one one-row forward, of 6 rows 1.49 on a Zen 3,
-docs/kernels.md); else fbgemm's (``torch.ops.quantized.linear_prepack_fp16``), which reads the weights again for
-every 6 rows (1.26 at 6 rows, 1.80 at 8: :func:`fp16_kernel` says which, docs/log.md). The copy is taken only where
-it holds the bf16 values exactly (a bf16 value below 2**-17 in magnitude may not fit fp16's subnormals;
-Qwen2.5-Coder-1.5B has none); a weight that does not fit keeps its bf16 values in our kernel's panels (the same
-sums, so verifies stay row-invariant), or gets an fp32 copy for oneDNN's fp32 kernel under fbgemm. The results are
-the same numbers as the stock kernel's up to the order of the sums. On a 2-core Zen 3 one 1536x8960 product at one
-row went from 1.59 ms (stock bf16) to 0.66 ms, and at 6 rows from 9.6 to 1.5 ms (docs/log.md). The copies take the
-bf16 weights' memory again. Without fbgemm (``fp32``) every weight gets the fp32 copy, used for inputs of
-:data:`FP32_MIN_ROWS` rows or more (fewer keep the stock bf16 kernel, faster there), at twice the bf16 weights'
-memory. Each method records which kernels it ran on (``kernels``), and a line on stderr says so once.
-
-On a CPU with AMX (a Xeon) the weights get fp16 copies on our kernel's AVX-512 build too: the 1.5B's one-token
-forward took 0.75 of oneDNN's time there (docs/kernels.md). ``SELFSPEC_PACK=bf16`` / ``fp16`` asks for one packing.
+computes them where it builds (:mod:`selfspec.kernels.fp16`: panels of 16 outputs, read once for all rows of a
+forward, docs/kernels.md); else fbgemm's (``torch.ops.quantized.linear_prepack_fp16``), which reads the weights again
+for every 6 rows (:func:`fp16_kernel` says which). The copy is taken only where it holds the bf16 values exactly (a
+bf16 value below 2**-17 may not fit fp16's subnormals; Qwen2.5-Coder-1.5B has none); a weight that does not fit keeps
+its bf16 values in our kernel's panels (the same sums, so verifies stay row-invariant), or gets an fp32 copy for
+oneDNN's fp32 kernel under fbgemm. The results are the stock kernel's numbers up to the order of the sums. The copies
+take the bf16 weights' memory again. Without fbgemm (``fp32``) every weight gets the fp32 copy, used for inputs of
+:data:`FP32_MIN_ROWS` rows or more, at twice the bf16 weights' memory. Each method records which kernels it ran on
+(``kernels``), and a line on stderr says so once. On a CPU with AMX (a Xeon) the weights get fp16 copies on our
+kernel's AVX-512 build too: the 1.5B's one-token forward took 0.75 of oneDNN's time there (docs/kernels.md); a
+prefill's products stay on oneDNN (:data:`PREFILL_MIN_ROWS`). ``SELFSPEC_PACK=bf16`` / ``fp16`` asks for a packing.
 
 ``keep_dense=False`` frees the dense weights once packed; only the packed copies of weights that must stay dense are
 then extra: a weight shared with another module (tied embeddings) and the LM head's, whose rows the draft's cut head
-gathers per request (:mod:`selfspec.draft.path`). The model then computes on the packed weights everywhere (the same
-results), and ``weight`` rebuilds a dense weight exactly from the packed copy when something reads it (``to_dense``,
-~50 ms for a 1536x8960 weight). As transformers maps the checkpoint file into memory, the other tensors are then
-copied out of it so that the mapping, and the freed weights' pages, can go.
+gathers per request. The model then computes on the packed weights everywhere (the same results), and ``weight``
+rebuilds a dense weight exactly from the packed copy when something reads it. As transformers maps the checkpoint file
+into memory, the other tensors are then copied out of it so that the mapping and the freed weights' pages can go.
 """
 
 from __future__ import annotations
@@ -146,6 +141,9 @@ PACK_KINDS = tuple(k for k in KERNELS if k)
 # 2 / 4 / 6 rows, fp32 copies 2.63x / 2.64x at 4 / 6; at 2 rows a scratch probe had the copies slower than stock,
 # 2.01x against 1.71x: docs/log.md)
 FP32_MIN_ROWS = 3
+# fp16 panels where oneDNN packs bf16 (AMX): a prefill's products (this many rows or more, above any verify's) run on
+# the dense weight's stock kernel, whose AMX tiles beat the panels ~4x there; verifies stay on the row-invariant panels
+PREFILL_MIN_ROWS = 64
 
 
 def kernels_label(packed: bool) -> str:
@@ -185,10 +183,9 @@ class PackedLinear(LinearWrapper):
     """An ``nn.Linear`` that also keeps its weight prepacked, used while ``active``.
 
     ``kind``: ``bf16`` (oneDNN's layout), ``fp16`` (an exact fp16 copy, in our kernel's panels where ``panels``,
-    else prepacked for fbgemm) or ``fp32`` (an fp32 copy for oneDNN), as :func:`pack_format` says, or as ``kind``
-    asks (``fp16`` on a CPU that packs bf16: to time our fp16 kernel against oneDNN there). A weight that fp16
-    does not hold exactly is ``bf16 panels`` where our kernel runs (its bf16 values in the same panels: the same
-    row-invariant sums, selfspec.kernels.fp16), else ``fp32``.
+    else prepacked for fbgemm) or ``fp32`` (an fp32 copy for oneDNN), as :func:`pack_format` says or ``kind`` asks.
+    A weight that fp16 does not hold exactly is ``bf16 panels`` where our kernel runs (its bf16 values in the same
+    panels: the same row-invariant sums, selfspec.kernels.fp16), else ``fp32``.
     Without its dense weight (:meth:`drop_dense`) it always computes on the packed one.
     """
 
@@ -201,6 +198,7 @@ class PackedLinear(LinearWrapper):
         wide = w.float() if self.kind in ("fp16", "fp32") else None  # converted once: the 1.5B's head is 0.9 GB in fp32
         # our kernel's layout (selfspec.kernels.fp16): this CPU's fp16 kernel, or ours where fp16 is asked for
         self.panels = self.kind == "fp16" and (fp16.available() if kind else fp16_kernel() != "fbgemm")
+        self.stock_wide = self.panels and packing_supported()  # PREFILL_MIN_ROWS rows or more: the stock kernel
         if self.kind == "fp16" and not torch.equal(w.half().float(), wide):
             self.kind = "bf16 panels" if self.panels else "fp32"
         if self.panels:
@@ -254,6 +252,8 @@ class PackedLinear(LinearWrapper):
         if not self.active and self.dense:
             return self.inner(x)
         if self.panels:
+            if self.stock_wide and self.dense and x.numel() >= PREFILL_MIN_ROWS * x.shape[-1]:
+                return self.inner(x)  # a prefill's rows, where oneDNN packs bf16: its kernel (AMX tiles) is faster
             return fp16.linear(x, self.packed, self.bias32, self.out_features)
         if self.kind == "fp16":
             return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)

@@ -386,3 +386,23 @@ def test_a_model_packed_as_fp16_on_a_cpu_that_packs_bf16_computes_on_our_panels_
         weight_packer(panels, kind="bf16")
     with pytest.raises(ValueError, match="packed kind 'int4'"):
         PackedLinear(torch.nn.Linear(8, 8).to(torch.bfloat16), kind="int4")
+
+
+@needs_packing
+def test_fp16_panels_where_onednn_packs_bf16_leave_a_prefill_s_rows_to_the_stock_kernel():
+    from selfspec.kernels import fp16
+
+    if not fp16.available():
+        pytest.skip(f"our fp16 kernel does not run here: {fp16.unavailable_reason()}")
+    torch.manual_seed(0)
+    lin = PackedLinear(torch.nn.Linear(64, 40).to(torch.bfloat16), kind="fp16")
+    assert lin.panels and lin.stock_wide
+    lin.active = True
+    with torch.inference_mode():
+        wide = torch.randn(packed_module.PREFILL_MIN_ROWS, 64, dtype=torch.bfloat16)
+        assert torch.equal(lin(wide), lin.inner(wide))  # the stock kernel's bits
+        narrow = wide[:packed_module.PREFILL_MIN_ROWS - 1]  # a verify's rows: each as a one-row step computes it
+        got = lin(narrow)
+        assert all(torch.equal(got[i:i + 1], lin(narrow[i:i + 1])) for i in range(0, len(narrow), 7))
+        lin.drop_dense()
+        assert torch.equal(lin(wide)[:5], lin(wide[:5]))  # without the dense weight: the panels, every row alike
