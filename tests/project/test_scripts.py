@@ -122,7 +122,8 @@ def test_roofline_sets_each_product_against_the_machine_s_limits(tmp_path):
     for name, prod in row["products"].items():
         assert prod["rows"] == (1 if name.startswith("int4") else int(name.split("x")[1])) and prod["ms"] > 0
         assert prod["of_limit"] == max(prod["of_memory"], prod.get("of_compute", 0))
-        assert abs(prod["of_memory"] - prod["gb_s"] / limits["memory_gb_s"]) <= 0.011
+        ratio = prod["gb_s"] / limits["memory_gb_s"]  # of figures rounded to 0.1 GB/s: their error, and 0.005
+        assert abs(prod["of_memory"] - ratio) <= ratio * (0.05 / prod["gb_s"] + 0.05 / limits["memory_gb_s"]) + 0.006
         # the rates are what was read and computed over the time: 2 FLOP a weight a row
         assert abs(prod["gb_s"] - prod["mb"] / prod["ms"]) <= 0.05 + 0.01 * prod["gb_s"]
         assert abs(prod["gflop_s"] - 2 * row["weights"] * prod["rows"] / prod["ms"] / 1e6) <= 0.05 + 0.01 * prod["gflop_s"]
