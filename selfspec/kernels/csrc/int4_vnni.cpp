@@ -38,9 +38,8 @@ constexpr int64_t ACT_BLOCK = 128;
 // the AVX2 build's one-row product from ~22 to ~29 G weights/s on a Zen 3; with one load per chunk, the AVX-512
 // build's MLP products inside a draft step from ~38 to ~50 on a Zen 4, scripts/profile_draft_step.py, docs/log.md)
 constexpr int64_t PREFETCH_BYTES = 2048;
-// and, on AVX-512, a second prefetch into L2 this far ahead: on a 2-core Xeon with AMX the one-row products of the 1.5B's
-// MLP shapes, 28 layers from memory, ran 1.33x as fast at g128 and 1.06x at g32 (8, 16 and 32 KiB, and the L3 hint
-// at 32 KiB, were level; docs/log.md)
+// and, on AVX-512, a second prefetch into L2 this far ahead: on a 2-core Xeon with AMX the one-row product of the 1.5B's
+// MLP shapes then read 0.84 of the memory's rate, against 0.66 before (scripts/roofline.py, docs/kernels.md)
 constexpr int64_t PREFETCH_L2_BYTES = 16384;
 
 #if defined(__AVX512VNNI__)
