@@ -270,12 +270,12 @@ class PackedLinear(LinearWrapper):
 
 class WeightPacker:
     """Owns the :class:`PackedLinear` wrappers of one model; switch them on with :meth:`packed`. ``kind``: the
-    packing of all of them (:class:`PackedLinear`), None for this CPU's."""
+    packing of all of them (:class:`PackedLinear`), None for this CPU's; the packing they got, as ``kind``."""
 
     def __init__(self, model: nn.Module, keep_dense: bool = True, kind: str | None = None) -> None:
         self.model = model
         self.keeps_dense = keep_dense
-        self.kind = kind
+        self.kind = kind or pack_format()
         self.linears: list[PackedLinear] = _wrap(model, keep_dense, kind)
         if not packing_supported() and any(p.dtype == torch.bfloat16 and p.device.type == "cpu"
                                            for p in model.parameters()):
@@ -377,7 +377,7 @@ def weight_packer(model: nn.Module, keep_dense: bool | None = None, kind: str | 
     """
     packer = instance_state(model, _PACKER_ATTR, lambda: WeightPacker(model, keep_dense is not False, kind))
     if kind is not None and packer.kind != kind:
-        raise ValueError(f"this model's weights are packed as {packer.kind or pack_format()}, not {kind}")
+        raise ValueError(f"this model's weights are packed as {packer.kind}, not {kind}")
     if keep_dense is not None:
         packer.keep_dense(keep_dense)  # nothing to do when they already are
     return packer

@@ -382,6 +382,9 @@ def test_a_model_packed_as_fp16_on_a_cpu_that_packs_bf16_computes_on_our_panels_
             got = panels(input_ids=x).logits
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)  # up to the order of the sums
     assert weight_packer(panels, kind="fp16") is packers[1] and weight_packer(panels) is packers[1]
+    assert (packers[0].kind, packers[1].kind) == ("bf16", "fp16")
+    default = _bf16()  # packed as this CPU packs: asking for that packing again is no conflict
+    assert weight_packer(default, kind=packed_module.pack_format()) is weight_packer(default)
     with pytest.raises(ValueError, match="packed as fp16, not bf16"):
         weight_packer(panels, kind="bf16")
     with pytest.raises(ValueError, match="packed kind 'int4'"):

@@ -12,9 +12,9 @@
 // sums run in fp32 in another order than fbgemm's: the same numbers up to rounding, rounded once to the output's
 // dtype.
 //
-// Where the CPU has AVX-512 F the same file builds with 512-bit vectors (blocks of up to 12 rows, the same bits):
-// oneDNN's bf16 products serve such CPUs by default, and this build runs where a model is packed as fp16 on purpose
-// (selfspec.kernels.packed.weight_packer's kind; scripts/verify_width.py --kernels panels).
+// Where the CPU has AVX-512 F the same file builds with 512-bit vectors (blocks of up to 12 rows, the same bits): it
+// runs the full model on a CPU with AMX, and wherever a model is packed as fp16 on purpose (SELFSPEC_PACK=fp16,
+// selfspec.kernels.packed.weight_packer's kind); other AVX-512 CPUs keep oneDNN's bf16 products.
 //
 // Row-invariant: every row's sum runs in the same order whatever the call's row count or the row's place in it (one
 // chain of FMAs per output over the inputs, block after block), so a row computes the same bits in a one-row step as
@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -110,24 +111,6 @@ inline void micro2(const float* x, int64_t ldx, const uint16_t* w, const uint16_
 }
 constexpr int64_t MR_MAX = 12;  // rows per block: 12 accumulators, a weight and a broadcast in 32 zmm registers
 
-// Calls f with the row count 1..MR_MAX as a compile-time constant.
-template <typename F>
-inline void with_rows(int64_t mr, F&& f) {
-  switch (mr) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 9: f(std::integral_constant<int, 9>{}); break;
-    case 10: f(std::integral_constant<int, 10>{}); break;
-    case 11: f(std::integral_constant<int, 11>{}); break;
-    default: f(std::integral_constant<int, 12>{}); break;
-  }
-}
 #else  // AVX2
 // 8 weights of a panel row as fp32: fp16 (F16C) or bf16 (a shift of 16 bits), exact either way
 template <bool BF16>
@@ -174,20 +157,16 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, fl
 
 constexpr int64_t MR_MAX = 6;  // rows per block: 6 x 2 = 12 accumulators, 2 weights and a broadcast in 16 ymm registers
 
-// Calls f with the row count 1..MR_MAX as a compile-time constant.
-template <typename F>
-inline void with_rows(int64_t mr, F&& f) {
-  switch (mr) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    default: f(std::integral_constant<int, 6>{}); break;
-  }
-}
 
 #endif  // AVX-512 or AVX2
+
+// Calls f with the row count mr (1..MR_MAX; more: MR_MAX) as a compile-time constant.
+template <int R = 1, typename F>
+inline void with_rows(int64_t mr, F&& f) {
+  if constexpr (R == MR_MAX) f(std::integral_constant<int, R>{});
+  else if (mr == R) f(std::integral_constant<int, R>{});
+  else with_rows<R + 1>(mr, std::forward<F>(f));
+}
 
 // x [M, K] bf16 or fp32, w [P, K, 16] fp16 (or bf16) panels, bias fp32 [n_out] or none -> [M, n_out] in x's dtype.
 // The threads split the panels; each computes a panel's M x 16 outputs (two panels' M x 32 on AVX-512) in fp32 (a
