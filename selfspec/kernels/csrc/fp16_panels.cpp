@@ -39,7 +39,7 @@ constexpr int PF_L2 = 16384;       // AVX-512: a second prefetch, into L2, this 
 #if defined(__AVX512F__)
 // The AVX-512 build (selfspec/kernels/fp16.py builds it where the CPU has AVX-512 F): a panel's 16 outputs are one
 // zmm register, so a block takes up to 12 rows, one accumulator each, and a pass takes two panels where the thread
-// has two left (micro2); the same single FMA chain per output over the inputs, so the same bits as the AVX2 build,
+// has two left; the same single FMA chain per output over the inputs, so the same bits as the AVX2 build,
 // row for row, whatever the pairing.
 template <bool BF16>
 inline __m512 widen16(const uint16_t* p) {
@@ -47,67 +47,42 @@ inline __m512 widen16(const uint16_t* p) {
   if constexpr (BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   else return _mm512_cvtph_ps(h);
 }
-template <int MR, bool PF, bool BF16>
-inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, float* c, bool load_c) {
-  __m512 acc[MR];
+// c[m, 0:16 NP] (+)= sum over kc inputs of x[m, k] * w_q[k, 0:16] for MR <= 12 rows and NP panels side by side
+// (panel q at w + q * pstride; c holds their tiles side by side, 16 NP floats a row): MR x NP accumulators, one FMA
+// chain each. Two panels a pass let each row's broadcast input feed two FMAs, so 12 rows take 14 loads for 24 FMAs
+// where one panel takes 13 for 12; one panel serves a thread's last odd panel.
+template <int NP, int MR, bool PF, bool BF16>
+inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t pstride, int64_t kc, float* c,
+                  bool load_c) {
+  __m512 acc[MR][NP];
 #pragma GCC unroll 12
-  for (int m = 0; m < MR; ++m) acc[m] = load_c ? _mm512_loadu_ps(c + m * 16) : _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m)
+    for (int q = 0; q < NP; ++q)
+      acc[m][q] = load_c ? _mm512_loadu_ps(c + (m * NP + q) * 16) : _mm512_setzero_ps();
   const auto input = [&](int64_t k) __attribute__((always_inline)) {
-    const __m512 w0 = widen16<BF16>(w + k * 16);
-#pragma GCC unroll 12
-    for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), w0, acc[m]);
-  };
-  int64_t k = 0;
-  for (; k + 2 <= kc; k += 2) {
-    if constexpr (PF) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PF_AHEAD, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PF_L2, _MM_HINT_T1);
-    }
-    input(k);
-    input(k + 1);
-  }
-  if (k < kc) input(k);
-#pragma GCC unroll 12
-  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(c + m * 16, acc[m]);
-}
-
-// Two panels at once (32 outputs): each row's broadcast input feeds two FMAs, so 12 rows take 14 loads for 24 FMAs
-// where one panel takes 13 for 12. c holds the two panels' tiles side by side: c[m * 32 + 0..15], [m * 32 + 16..31].
-template <int MR, bool PF, bool BF16>
-inline void micro2(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* v, int64_t kc, float* c,
-                   bool load_c) {
-  __m512 a[MR], b[MR];
-#pragma GCC unroll 12
-  for (int m = 0; m < MR; ++m) {
-    a[m] = load_c ? _mm512_loadu_ps(c + m * 32) : _mm512_setzero_ps();
-    b[m] = load_c ? _mm512_loadu_ps(c + m * 32 + 16) : _mm512_setzero_ps();
-  }
-  const auto input = [&](int64_t k) __attribute__((always_inline)) {
-    const __m512 w0 = widen16<BF16>(w + k * 16), v0 = widen16<BF16>(v + k * 16);
+    __m512 wq[NP];
+    for (int q = 0; q < NP; ++q) wq[q] = widen16<BF16>(w + q * pstride + k * 16);
 #pragma GCC unroll 12
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-      a[m] = _mm512_fmadd_ps(xb, w0, a[m]);
-      b[m] = _mm512_fmadd_ps(xb, v0, b[m]);
+      for (int q = 0; q < NP; ++q) acc[m][q] = _mm512_fmadd_ps(xb, wq[q], acc[m][q]);
     }
   };
   int64_t k = 0;
   for (; k + 2 <= kc; k += 2) {
     if constexpr (PF) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PF_AHEAD, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(v + k * 16) + PF_AHEAD, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PF_L2, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(v + k * 16) + PF_L2, _MM_HINT_T1);
+      for (int q = 0; q < NP; ++q)
+        _mm_prefetch(reinterpret_cast<const char*>(w + q * pstride + k * 16) + PF_AHEAD, _MM_HINT_T0);
+      for (int q = 0; q < NP; ++q)
+        _mm_prefetch(reinterpret_cast<const char*>(w + q * pstride + k * 16) + PF_L2, _MM_HINT_T1);
     }
     input(k);
     input(k + 1);
   }
   if (k < kc) input(k);
 #pragma GCC unroll 12
-  for (int m = 0; m < MR; ++m) {
-    _mm512_storeu_ps(c + m * 32, a[m]);
-    _mm512_storeu_ps(c + m * 32 + 16, b[m]);
-  }
+  for (int m = 0; m < MR; ++m)
+    for (int q = 0; q < NP; ++q) _mm512_storeu_ps(c + (m * NP + q) * 16, acc[m][q]);
 }
 constexpr int64_t MR_MAX = 12;  // rows per block: 12 accumulators, a weight and a broadcast in 32 zmm registers
 
@@ -209,15 +184,17 @@ at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional
               const float* xr = xp + m0 * K + k0;
               float* c = tile.data() + m0 * stride;
 #if defined(__AVX512F__)
-              if (np == 2) {
-                const uint16_t* vpan = wpan + K * 16;
-                if (m0 == 0) micro2<R, true, B>(xr, K, wpan + k0 * 16, vpan + k0 * 16, kc, c, k0 > 0);
-                else micro2<R, false, B>(xr, K, wpan + k0 * 16, vpan + k0 * 16, kc, c, k0 > 0);
-                return;
-              }
-#endif
+              const auto run = [&](auto panels) {  // the pass's panel count as a compile-time constant
+                constexpr int NP = decltype(panels)::value;
+                if (m0 == 0) micro<NP, R, true, B>(xr, K, wpan + k0 * 16, K * 16, kc, c, k0 > 0);
+                else micro<NP, R, false, B>(xr, K, wpan + k0 * 16, K * 16, kc, c, k0 > 0);
+              };
+              if (np == 2) run(std::integral_constant<int, 2>{});
+              else run(std::integral_constant<int, 1>{});
+#else
               if (m0 == 0) micro<R, true, B>(xr, K, wpan + k0 * 16, kc, c, k0 > 0);
               else micro<R, false, B>(xr, K, wpan + k0 * 16, kc, c, k0 > 0);
+#endif
             };
             if (wide_bf16) block(std::true_type{});
             else block(std::false_type{});
