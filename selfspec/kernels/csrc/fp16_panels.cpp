@@ -84,7 +84,7 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t pstrid
   for (int m = 0; m < MR; ++m)
     for (int q = 0; q < NP; ++q) _mm512_storeu_ps(c + (m * NP + q) * 16, acc[m][q]);
 }
-constexpr int64_t MR_MAX = 12;  // rows per block: 12 accumulators, a weight and a broadcast in 32 zmm registers
+constexpr int64_t MR_MAX = 12;  // rows per block: 12 x 2 accumulators, two weights and a broadcast in 32 zmm registers
 
 #else  // AVX2
 // 8 weights of a panel row as fp32: fp16 (F16C) or bf16 (a shift of 16 bits), exact either way
