@@ -8,9 +8,9 @@ On the packed weights decoding uses (``stock``: the weights as loaded; ``onednn`
 of one calibration prompt, times a forward over ``m`` tokens at the end of the context for each width, round-robin
 (so load changes hit all widths alike), with a chain mask (the model's own causal mask) and, for widths >= 3, with a
 draft tree's mask (a star: every node a child of the first), which is what a tree verify adds. With more than one of
-``--kernels``, each has a model instance of its own, timed in the same rotation, and ``over_first_kernel`` gives
-each width's median over the first kernel's. Prints and appends one JSON line (medians, and the ratio to the
-one-token forward) to --out.
+``--kernels``, each has a model instance of its own, timed in the same rotation (each turn after an untimed
+forward), and ``over_first_kernel`` gives each width's median over the first kernel's. Prints and appends one JSON
+line (medians, and the ratio to the one-token forward) to --out.
 """
 
 from __future__ import annotations
@@ -40,6 +40,24 @@ def kernel_name(kernels: str) -> str:
     if kernels == "onednn":
         return "packed bf16"
     return kernels_label(kernels == "packed")
+
+
+def time_turn(model, cache, ctx, prompt_len, configs, trees, clock) -> dict[str, float]:
+    """One kernel's turn: each config's forward timed once, after an untimed forward at the first config's width. The
+    first forward after another model instance's turn can run far slower (seen on a 2-core Xeon with either kernel),
+    which would otherwise fall on whichever width is timed first."""
+    forward_at(model, cache, ctx[:configs[0][1]], prompt_len, keep=configs[0][1])
+    out = {}
+    for name, m, kind in configs:
+        tokens = ctx[:m]
+        t0 = clock.now()
+        if kind:
+            mask, depth = trees[m]
+            forward_at(model, cache, tokens, prompt_len, keep=m, position_ids=prompt_len + depth, attention_mask=mask)
+        else:
+            forward_at(model, cache, tokens, prompt_len, keep=m)
+        out[name] = clock.now() - t0
+    return out
 
 
 def main() -> None:
@@ -82,20 +100,11 @@ def main() -> None:
                 forward_at(lm.model, caches[k], ctx, 0, keep=1)
         for rep in range(args.reps + 1):
             for k in kernels[rep % len(kernels):] + kernels[:rep % len(kernels)]:
-                model, cache = models[k].model, caches[k]
-                with packed_weights(model, on=k != "stock"):
-                    for name, m, kind in configs:
-                        tokens = ctx[:m]
-                        t0 = clock.now()
-                        if kind:
-                            mask, depth = trees[m]
-                            forward_at(model, cache, tokens, len(prompt), keep=m, position_ids=len(prompt) + depth,
-                                       attention_mask=mask)
-                        else:
-                            forward_at(model, cache, tokens, len(prompt), keep=m)
-                        dt = clock.now() - t0
-                        if rep:  # repetition 0 is the warm-up
-                            times[k][name].append(dt)
+                with packed_weights(models[k].model, on=k != "stock"):
+                    turn = time_turn(models[k].model, caches[k], ctx, len(prompt), configs, trees, clock)
+                if rep:  # repetition 0 is the warm-up
+                    for name, dt in turn.items():
+                        times[k][name].append(dt)
     med = {k: {name: statistics.median(v) for name, v in per.items()} for k, per in times.items()}
     narrow = str(min(args.widths))
     first = med[kernels[0]]

@@ -132,6 +132,30 @@ def test_roofline_sets_each_product_against_the_machine_s_limits(tmp_path):
         assert int4["in_cache_gb_s"] > 0 and int4["from_memory_over_in_cache"] > 0
 
 
+def test_verify_width_times_each_turn_after_an_untimed_forward(monkeypatch):
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("verify_width", ROOT / "scripts" / "verify_width.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    calls, ticks = [], iter(range(100))
+
+    class Clock:
+        def now(self):
+            calls.append("clock")
+            return float(next(ticks))
+
+    monkeypatch.setattr(script, "forward_at", lambda model, cache, tokens, start, **kw: calls.append(len(tokens)))
+    configs = [("2", 2, None), ("1", 1, None), ("3/tree", 3, "tree")]
+    trees = {3: (None, torch.zeros(3, dtype=torch.long))}
+    turn = script.time_turn(None, None, torch.arange(8), 5, configs, trees, Clock())
+    # the untimed forward at the first width, then each config between two readings of the clock
+    assert calls == [2, "clock", 2, "clock", "clock", 1, "clock", "clock", 3, "clock"]
+    assert turn == {"2": 1.0, "1": 1.0, "3/tree": 1.0}
+
+
 def test_verify_width_times_two_kernels_in_one_rotation(tmp_path):
     from selfspec.kernels import fp16
     from selfspec.kernels.packed import packing_supported
