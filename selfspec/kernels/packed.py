@@ -27,7 +27,7 @@ oneDNN's fp32 kernel under fbgemm. The results are the stock kernel's numbers up
 take the bf16 weights' memory again. Without fbgemm (``fp32``) every weight gets the fp32 copy, used for inputs of
 :data:`FP32_MIN_ROWS` rows or more, at twice the bf16 weights' memory. Each method records which kernels it ran on
 (``kernels``), and a line on stderr says so once. On a CPU with AMX (a Xeon) the weights get fp16 copies on our
-kernel's AVX-512 build too: the 1.5B's one-token forward took 0.75 of oneDNN's time there (docs/kernels.md); a
+kernel's AVX-512 build too: the 1.5B's one-token forward took 0.57-0.75 of oneDNN's time there (docs/kernels.md); a
 prefill's products stay on oneDNN (:data:`PREFILL_MIN_ROWS`). ``SELFSPEC_PACK=bf16`` / ``fp16`` asks for a packing.
 
 ``keep_dense=False`` frees the dense weights once packed; only the packed copies of weights that must stay dense are
@@ -142,7 +142,7 @@ PACK_KINDS = tuple(k for k in KERNELS if k)
 # 2.01x against 1.71x: docs/log.md)
 FP32_MIN_ROWS = 3
 # fp16 panels where oneDNN packs bf16 (AMX): a prefill's products (this many rows or more, above any verify's) run on
-# the dense weight's stock kernel, whose AMX tiles beat the panels ~4x there; verifies stay on the row-invariant panels
+# the dense weight's stock kernel, whose AMX tiles are far faster there (docs/kernels.md); verifies stay on the panels
 PREFILL_MIN_ROWS = 64
 
 
