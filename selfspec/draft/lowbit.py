@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from selfspec.errors import SelfSpecError
-from selfspec.kernels import vnni
+from selfspec.kernels import hugepages, vnni
 from selfspec.kernels.packed import LinearWrapper, PackedLinear
 from selfspec.model.wrap import set_plain, wrap_descendants
 
@@ -302,6 +302,7 @@ class SharedInput:
             return
         qweight = torch.cat([c[1] for c in copies])
         qscale = torch.cat([c[2] for c in copies])
+        hugepages.advise(qweight)  # as each copy was (selfspec.kernels.vnni.pack)
         biases = [m.inner.bias for m in self.members]
         given = [b for b in biases if b is not None]
         bias = None

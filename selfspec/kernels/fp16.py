@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.kernels import vnni
+from selfspec.kernels import hugepages, vnni
 
 SOURCE = Path(__file__).parent / "csrc" / "fp16_panels.cpp"
 FLAGS = ("fma", "avx2", "f16c")
@@ -79,14 +79,16 @@ _KERNEL = vnni.LazyKernel(_load_once)
 
 def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """The panels ``[ceil(N/16), K, 16]`` of a weight ``[N, K]`` in ``dtype``: fp16 (exact where the weight's values
-    fit fp16) or bf16 (exact for a bf16 weight)."""
+    fit fp16) or bf16 (exact for a bf16 weight), on huge pages where they can be (:mod:`selfspec.kernels.hugepages`)."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"fp16 panels hold fp16 or bf16 weights, not {dtype}")
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = torch.zeros(panels * PANEL, k, dtype=dtype)
     padded[:n] = weight
-    return padded.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
+    out = padded.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
+    hugepages.advise(out)
+    return out
 
 
 def unpack(panels: torch.Tensor, n: int) -> torch.Tensor:

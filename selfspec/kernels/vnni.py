@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from selfspec.errors import SelfSpecError
+from selfspec.kernels import hugepages
 from selfspec.locks import check_writable, waiting
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_vnni.cpp"
@@ -214,12 +215,14 @@ def compile_extension(source: Path, stem: str, flags: list[str], also: tuple[Pat
 
 def pack(q: torch.Tensor, scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's layout of int4 values ``q`` [N, K] (0..15) and their groups' (scale, zero) [N, K/G, 2]:
-    64 bytes per 128 inputs, byte j holding inputs j (low half) and j + 64 (high half); the scales in bf16."""
+    64 bytes per 128 inputs, byte j holding inputs j (low half) and j + 64 (high half); the scales in bf16. The
+    packed values go on huge pages where they can (:mod:`selfspec.kernels.hugepages`)."""
     n, k = q.shape
     if k % BLOCK:
         raise SelfSpecError(f"the VNNI int4 kernel needs in_features divisible by {BLOCK}, got {k}")
     halves = q.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
     packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    hugepages.advise(packed)
     return packed, scale_zero.to(torch.bfloat16).contiguous()
 
 

@@ -27,6 +27,25 @@ def test_measure_draft_appends_one_row_per_setting(tmp_path):
     assert all(r["prompts"] == 2 and r["speedup"] > 0 and r["identical"].endswith("/2") for r in rows)
 
 
+def test_hugepages_times_both_instances_in_turns(tmp_path):
+    from selfspec.draft.path import DraftOptions
+    from selfspec.draft.spec import DraftSpec
+    from selfspec.model.plan import SkipPlan
+
+    draft = DraftSpec(SkipPlan(4, attn=(1,)), DraftOptions(ngram=2), k=3).save(tmp_path / "draft.json")
+    out = tmp_path / "huge.jsonl"
+    p = _script("hugepages.py", "--model", "tiny-llama", "--dataset", "tiny", "--draft", str(draft), "--reps", "2",
+                "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    kinds = {"plain", "first draft step", "later draft step", "verify"}
+    assert set(row["median_ms"]) == {"4 KiB pages", "huge pages"} and row["k"] == 3
+    assert all(set(v) == kinds and min(v.values()) > 0 for v in row["median_ms"].values())
+    for kind, (lo, hi) in row["huge_over_4k_interval"].items():
+        assert lo <= hi and row["huge_over_4k"][kind] > 0
+    assert all(r > 1 for r in row["round_in_plain_steps"].values())  # three draft steps and a verify: over one step
+
+
 def test_ar_vs_hf_appends_one_row(tmp_path):
     out = tmp_path / "ar.jsonl"
     p = _script("ar_vs_hf.py", "--model", "tiny-llama", "--datasets", "tiny", "--reps", "2",

@@ -1,0 +1,163 @@
+"""What huge pages for the weight copies change in a decode's forwards (:mod:`selfspec.kernels.hugepages`).
+
+    python scripts/hugepages.py [--model qwen2.5-coder-1.5b] [--draft results/plans/<model>-default.json] [--dataset humaneval] [--reps 12]
+
+Two instances of the model in one process, one whose copies were made with ``SELFSPEC_HUGEPAGES=0`` (4 KiB pages)
+and one with them on huge pages, each with the draft's path, timed in turns (alternating which goes first, each turn
+after an untimed forward) on one calibration prompt: plain steps (our AR), then twice a round's forwards, k draft steps
+and a verify over k + 1 rows. The first draft step after a full-model forward is timed apart from the later ones: the
+full forward streams the bf16-sized copies through the caches in between. Prints and appends one JSON line to --out:
+medians per instance, the huge over the 4 KiB ones with a 95% bootstrap interval over the turns, and what a round
+(one first draft step, k - 1 later ones, one verify) costs in plain steps of its own instance, each way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+
+import torch
+
+from selfspec.assets.models import load_model
+from selfspec.cli.config import calibration_prompts
+from selfspec.draft.path import DraftPath
+from selfspec.draft.spec import DraftSpec
+from selfspec.engine.attention import decode_attention
+from selfspec.engine.cache import PositionalKVCache
+from selfspec.engine.decoding import forward_at
+from selfspec.engine.stats import Clock
+from selfspec.kernels import hugepages
+from selfspec.kernels.packed import packed_weights
+from selfspec.provenance import append_row, git_commit, machine_fingerprint
+
+KINDS = ("plain", "first draft step", "later draft step", "verify")
+
+
+def huge_bytes() -> int:
+    """This process's anonymous memory on transparent huge pages (bytes; 0 where the kernel does not say)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("AnonHugePages")), 0)
+    except OSError:
+        return 0
+
+
+class Instance:
+    """A model and its draft path, with every copy made (and advised, or not) while ``SELFSPEC_HUGEPAGES`` said so."""
+
+    def __init__(self, model_name: str, dataset: str, spec: DraftSpec, huge: bool) -> None:
+        old = os.environ.get(hugepages.ENV)
+        os.environ[hugepages.ENV] = "1" if huge else "0"
+        try:
+            self.lm = load_model(model_name)
+            m = self.lm.model
+            self.path = DraftPath(m, spec.plan, spec.options, stop_ids=self.lm.eos_ids)
+            self.k = spec.k
+            prompt = calibration_prompts(self.lm.tokenizer, [dataset], 1)[0]
+            self.ctx, self.p = torch.tensor(prompt, dtype=torch.long), len(prompt)
+            self.cache = PositionalKVCache(m, max_len=self.p + 2 * self.k + 8)
+            with self.running():
+                self.path.prepare(self.ctx)
+                forward_at(m, self.cache, self.ctx, 0, keep=1)  # the prefill packs the weights
+                self.draft_steps()
+        finally:
+            if old is None:
+                os.environ.pop(hugepages.ENV, None)
+            else:
+                os.environ[hugepages.ENV] = old
+
+    @contextlib.contextmanager
+    def running(self):
+        m = self.lm.model
+        with torch.inference_mode(), packed_weights(m), decode_attention(m):
+            yield
+
+    def full(self, n: int) -> None:
+        forward_at(self.lm.model, self.cache, self.ctx[:n], self.p, keep=n)
+
+    def draft_steps(self, clock: Clock | None = None) -> list[float]:
+        out = []
+        with self.path.drafting():
+            for j in range(self.k):
+                t0 = clock.now() if clock else 0.0
+                forward_at(self.lm.model, self.cache, self.ctx[j:j + 1], self.p + j, keep=1)
+                out.append(clock.now() - t0 if clock else 0.0)
+        return out
+
+    def turn(self, clock: Clock) -> dict[str, list[float]]:
+        """One turn's timings by :data:`KINDS` (after an untimed plain step)."""
+        t: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        with self.running():
+            self.full(1)
+            for _ in range(3):
+                t0 = clock.now()
+                self.full(1)
+                t["plain"].append(clock.now() - t0)
+            for _ in range(2):
+                steps = self.draft_steps(clock)
+                t["first draft step"].append(steps[0])
+                t["later draft step"] += steps[1:]
+                t0 = clock.now()
+                self.full(self.k + 1)
+                t["verify"].append(clock.now() - t0)
+        return {kind: [statistics.median(v)] for kind, v in t.items()}
+
+
+def interval(ratios: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
+    """95% bootstrap interval of the median of paired ratios."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return [round(meds[int(0.025 * draws)], 3), round(meds[int(0.975 * draws) - 1], 3)]
+
+
+def round_in_plain_steps(med: dict[str, float], k: int) -> float:
+    return (med["first draft step"] + (k - 1) * med["later draft step"] + med["verify"]) / med["plain"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default=None, help="a draft file (default: results/plans/<model>-default.json)")
+    ap.add_argument("--dataset", default="humaneval", help="the task set whose first calibration prompt is the context")
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--out", default="results/hugepages.jsonl")
+    args = ap.parse_args()
+    if not hugepages.enabled():
+        ap.error(f"huge pages cannot be asked for here (Linux's madvise, {hugepages.ENV} not 0)")
+    draft = args.draft or f"results/plans/{args.model}-default.json"
+    spec = DraftSpec.load(draft)
+    machine, commit = machine_fingerprint(), git_commit()
+    before = huge_bytes()
+    inst = {"4 KiB pages": Instance(args.model, args.dataset, spec, huge=False)}
+    mid = huge_bytes()
+    inst["huge pages"] = Instance(args.model, args.dataset, spec, huge=True)
+    on_huge = {"4 KiB pages": mid - before, "huge pages": huge_bytes() - mid}
+    clock = Clock()
+    names = list(inst)
+    times = {n: {kind: [] for kind in KINDS} for n in names}
+    for rep in range(args.reps + 1):
+        for n in names[rep % 2:] + names[:rep % 2]:
+            turn = inst[n].turn(clock)
+            if rep:  # repetition 0 is the warm-up
+                for kind, v in turn.items():
+                    times[n][kind] += v
+    med = {n: {kind: statistics.median(v) for kind, v in per.items()} for n, per in times.items()}
+    a, b = names
+    ratio = {kind: round(med[b][kind] / med[a][kind], 3) for kind in KINDS}
+    paired = {kind: interval([y / x for x, y in zip(times[a][kind], times[b][kind])]) for kind in KINDS}
+    rounds = {n: round(round_in_plain_steps(med[n], spec.k), 3) for n in names}
+    res = {"model": args.model, "draft": draft, "k": spec.k, "context_tokens": inst[a].p, "reps": args.reps,
+           "huge_page_bytes": on_huge, "median_ms": {n: {kind: round(1e3 * v, 2) for kind, v in per.items()}
+                                                     for n, per in med.items()},
+           "huge_over_4k": ratio, "huge_over_4k_interval": paired, "round_in_plain_steps": rounds,
+           "machine": machine, "git_commit": commit}
+    print(json.dumps(res), flush=True)
+    append_row(args.out, res, echo=False)
+
+
+if __name__ == "__main__":
+    main()
