@@ -1,6 +1,7 @@
 """What huge pages for the weight copies change in a decode's forwards (:mod:`selfspec.kernels.hugepages`).
 
-    python scripts/hugepages.py [--model qwen2.5-coder-1.5b] [--draft results/plans/<model>-default.json] [--dataset humaneval] [--reps 12]
+    python scripts/hugepages.py [--model qwen2.5-coder-1.5b] [--draft results/plans/<model>-default.json]
+                                [--dataset humaneval] [--reps 12]
 
 Two instances of the model in one process, one whose copies were made with ``SELFSPEC_HUGEPAGES=0`` (4 KiB pages)
 and one with them on huge pages, each with the draft's path, timed in turns (alternating which goes first, each turn
