@@ -61,9 +61,9 @@ class Instance:
             prompt = calibration_prompts(self.lm.tokenizer, [dataset], 1)[0]
             self.ctx, self.p = torch.tensor(prompt, dtype=torch.long), len(prompt)
             self.cache = PositionalKVCache(m, max_len=self.p + 2 * self.k + 8)
-            with self.running():
+            with self.running():  # the packed copies are made here, the int4 ones by prepare() or the first draft step
                 self.path.prepare(self.ctx)
-                forward_at(m, self.cache, self.ctx, 0, keep=1)  # the prefill packs the weights
+                forward_at(m, self.cache, self.ctx, 0, keep=1)
                 self.draft_steps()
         finally:
             if old is None:
