@@ -60,7 +60,7 @@ from selfspec.kernels.packed import packed_weights
 from selfspec.model.arch import arch_of
 from selfspec.model.plan import SkipPlan
 from selfspec.provenance import append_row
-from selfspec.search.costs import CostModel, SublayerCosts, costs_for_drafts, weight_format
+from selfspec.search.costs import CostModel, costs_for_drafts, weight_format
 from selfspec.search.rounds import RoundCounts
 from selfspec.search.simulate import RoundSimulator
 
@@ -94,18 +94,18 @@ def exit_layers(model, path: DraftPath, prompt: list[int], continuation: list[in
 def with_layer_costs(costs: CostModel, fmt: str, scale: float) -> CostModel:
     """``costs`` with the draft format's per-sublayer costs times ``scale``."""
     c = costs.draft[fmt]
-    return replace(costs, draft={**costs.draft, fmt: SublayerCosts(c.base, c.attn * scale, c.mlp * scale)})
+    return replace(costs, draft={**costs.draft, fmt: replace(c, attn=c.attn * scale, mlp=c.mlp * scale)})
 
 
 def second_level(costs: CostModel, counts: RoundCounts, spec: DraftSpec, f: float) -> float:
     """Predicted speedup with a first level at ``f`` of the draft's layers that always agrees (module docstring)."""
     parts = costs.breakdown(counts, spec)
-    over = costs.overhead.get("draft_step", 0.0)
-    step = costs.step_time(spec) + over
-    cheap = with_layer_costs(costs, weight_format(spec.options), f).step_time(spec) + over
-    drafted = parts["draft"] / step
-    rounds = sum(counts.model_rounds.values()) + sum(n for (m, _), n in counts.tree_rounds.items() if m)
-    t = drafted * cheap + rounds * step + parts["verify"] + parts["plain"]
+    cheap = with_layer_costs(costs, weight_format(spec.options), f)
+    drafted = sum(m * n for m, n in counts.model_rounds.items()) + sum(m * n for (m, _), n in counts.tree_rounds.items())
+    rounds = sum(n for m, n in counts.model_rounds.items() if m) + sum(n for (m, _), n in counts.tree_rounds.items() if m)
+    # the cheap level drafts every token; the draft checks them in one step a round, each level's first step of a
+    # round priced as the cost model prices it
+    t = cheap.draft_time(spec, drafted, rounds) + costs.draft_time(spec, rounds, rounds) + parts["verify"] + parts["plain"]
     return counts.tokens * (costs.t_full + costs.overhead.get("plain_step", 0.0)) / t
 
 
@@ -155,7 +155,7 @@ def at_context(costs: CostModel, spec: DraftSpec, t: dict[str, float]) -> CostMo
     base = max(t["draft"] - kept_attn * attn - modelled, 0.0)
     verify = {m: t[f"verify{m}"] for m in costs.t_verify if f"verify{m}" in t}
     return replace(costs, t_full=t["full"], t_verify=verify,
-                   draft={**costs.draft, fmt: SublayerCosts(base, attn, c.mlp)})
+                   draft={**costs.draft, fmt: replace(c, base=base, attn=attn)})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,15 +8,17 @@ round counts). Measured, all on the weights decoding uses (packed bf16):
 - ``t_full``: one full-depth one-token forward (a plain decoding step);
 - ``t_verify[m]``: a full-depth forward over ``m`` tokens (verifying ``m-1`` drafts);
 - per draft weight format (``model``, ``int8``, ``int4-g32``, ...): a one-token
-  draft forward as ``base + kept attention x attn + kept MLP x mlp``;
+  draft forward after another one as ``base + kept attention x attn + kept MLP x mlp``, and how much more
+  the first draft forward of a round costs (``first``: it comes after a full-depth forward, which has
+  evicted the draft's weights from the caches);
 - per draft head size ``N``: what scoring N token ids instead of all saves (``head``);
 - per draft head size and quantized head format (``"<N>/<format>"``, N = 0 for the whole vocabulary):
   what that head saves over the model-precision full head (``head_low``); heads are timed alone;
 - what the decoding loop adds to each kind of step (``overhead``, :func:`loop_overheads`).
 
-A draft round with ``m`` tokens drafted costs ``m x t_step + t_verify[m+1]``, a
+A draft round with ``m`` tokens drafted costs ``(m - 1 + first) x t_step + t_verify[m+1]``, a
 copy round ``t_verify[m+1]``, a draft-tree round of ``nodes`` nodes ``m x t_step + t_verify[nodes+1]``
-(``m`` = 0 for copy trees), a plain step ``t_full``; the predicted speedup of
+(``m`` = 0 for copy trees; loop overheads added per step), a plain step ``t_full``; the predicted speedup of
 a draft is ``tokens x t_full / time`` over the simulated rounds.
 """
 
@@ -52,8 +54,11 @@ from selfspec.search.rounds import RoundCounts
 # the AR runs just before and just after it (version 3: by one AR run before it), after a short warm-up.
 # 5: what is measured changed, not how: the decode attention multiplies the values in float32 (a bf16 product
 # there cost a 6-row verify over 1000 keys ~2x on AVX2, selfspec/engine/attention.py), so verifies and plain
-# steps priced by version 4 are too dear.
-COST_MODEL_VERSION = 5
+# steps priced by version 4 are too dear. 6: each draft forward is timed right after itself (a later step of a
+# round), and the all-kept draft once more right after a plain forward (a round's first step, ``first``); version 5
+# timed the all-kept draft after a verify and the skipping ones after other drafts, so on a Xeon with a large L3
+# the sublayer costs were differences of a cold and a warm forward (a draft step priced 1.56x what it took).
+COST_MODEL_VERSION = 6
 
 
 def weight_format(options: DraftOptions) -> str:
@@ -78,6 +83,7 @@ class SublayerCosts:
     base: float  # embedding, norms, head and overhead of a one-token forward
     attn: float  # each kept attention sublayer
     mlp: float  # each kept MLP sublayer
+    first: float = 1.0  # a round's first draft step over a later one (cost models before version 6: 1)
 
 
 @dataclass
@@ -127,12 +133,23 @@ class CostModel:
 
     def breakdown(self, counts: RoundCounts, spec: DraftSpec) -> dict[str, float]:
         """:meth:`time` by what the loop clocks apart: draft steps, verify passes, plain steps."""
-        step = self.step_time(spec) + self.overhead.get("draft_step", self._o(f"draft_step/{weight_format(spec.options)}"))
-        step = max(step + (self._o("adaptive_step") if spec.adaptive else 0.0), 1e-9)
         drafted = sum(m * n for m, n in counts.model_rounds.items()) + sum(m * n for (m, _), n in counts.tree_rounds.items())
+        rounds = sum(n for m, n in counts.model_rounds.items() if m) + sum(n for (m, _), n in counts.tree_rounds.items() if m)
         verify = sum(n * self._verify(m + 1) for m, n in (counts.model_rounds + counts.copy_rounds).items())
         verify += sum(n * self._verify(nodes + 1) for (_, nodes), n in counts.tree_rounds.items())
-        return {"draft": drafted * step, "verify": verify, "plain": counts.plain_steps * (self.t_full + self._o("plain_step"))}
+        plain = counts.plain_steps * (self.t_full + self._o("plain_step"))
+        return {"draft": self.draft_time(spec, drafted, rounds), "verify": verify, "plain": plain}
+
+    def draft_forwards(self, spec: DraftSpec, drafted: int, rounds: int) -> float:
+        """Seconds of the forwards of ``drafted`` draft steps made in ``rounds`` rounds (each round's first step
+        costs ``first`` later ones), without what the loop adds."""
+        return self.step_time(spec) * (drafted + (self.draft[weight_format(spec.options)].first - 1.0) * rounds)
+
+    def draft_time(self, spec: DraftSpec, drafted: int, rounds: int) -> float:
+        """:meth:`draft_forwards` and what the loop adds to each draft step."""
+        over = self.overhead.get("draft_step", self._o(f"draft_step/{weight_format(spec.options)}"))
+        over += self._o("adaptive_step") if spec.adaptive else 0.0
+        return max(self.draft_forwards(spec, drafted, rounds) + drafted * over, 1e-9 * drafted)
 
     def _verify(self, m: int) -> float:
         return max(self.verify_time(m) + self._o("verify"), 1e-9)
@@ -174,9 +191,11 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
     tokens = torch.tensor(ctx, dtype=torch.long, device=device)
     probe = torch.tensor((ctx * (max_verify // max(len(ctx), 1) + 1))[:max_verify], dtype=torch.long, device=device)
     full, all_attn, all_mlp = SkipPlan(n), SkipPlan(n, attn=tuple(range(n))), SkipPlan(n, mlp=tuple(range(n)))
-    configs: dict[str, tuple[int, Callable[[], ExitStack]]] = {"full": (1, ExitStack)}
+    # what each timed forward follows: nothing set up ("after": None), itself, untimed ("self": a later draft step,
+    # the weights it reads last read by the step before), or a plain forward ("full": a round's first draft step)
+    configs: dict[str, tuple[int, Callable[[], ExitStack], str | None]] = {"full": (1, ExitStack, None)}
     for m in range(2, max_verify + 1):
-        configs[f"verify{m}"] = (m, ExitStack)
+        configs[f"verify{m}"] = (m, ExitStack, None)
     paths: dict[str, DraftPath] = {}
     for opts in formats:
         fmt = weight_format(opts)
@@ -195,7 +214,9 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
     for opts in lows:
         heads[f"head{head_format(opts)}"] = DraftPath(model, full, opts, stop_ids=stop_ids)
     for name, path in paths.items():
-        configs[name] = (1, path.drafting)
+        if name.endswith("/all"):  # the first step, then a later one right after it
+            configs[name.replace("/all", "/first")] = (1, path.drafting, "full")
+        configs[name] = (1, path.drafting, None if name.endswith("/all") else "self")
     for path in heads.values():
         path.prepare(tokens)
     times: dict[str, list[float]] = {name: [] for name in configs}
@@ -204,8 +225,12 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
     with torch.inference_mode(), packed_weights(model), decode_attention(model):
         forward_at(model, cache, tokens, 0, keep=1)
         for rep in range(reps + 1):
-            for name, (m, ctx_manager) in configs.items():
+            for name, (m, ctx_manager, after) in configs.items():
+                if after == "full":
+                    forward_at(model, cache, probe[:1], len(ctx), keep=1)
                 with ctx_manager():
+                    if after == "self":
+                        forward_at(model, cache, probe[:m], len(ctx), keep=1)
                     t0 = clock.now()
                     forward_at(model, cache, probe[:m], len(ctx), keep=1)
                     dt = clock.now() - t0
@@ -222,7 +247,8 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
         fmt = weight_format(opts)
         t_all, t_no_attn, t_no_mlp = (med[f"{fmt}/{tag}"] for tag in ("all", "no_attn", "no_mlp"))
         attn, mlp = max(t_all - t_no_attn, 0.0) / n, max(t_all - t_no_mlp, 0.0) / n
-        draft[fmt] = SublayerCosts(base=max(t_all - n * (attn + mlp), 0.0), attn=attn, mlp=mlp)
+        draft[fmt] = SublayerCosts(base=max(t_all - n * (attn + mlp), 0.0), attn=attn, mlp=mlp,
+                                   first=med[f"{fmt}/first"] / t_all)
     head_med = {name: statistics.median(v) for name, v in head_times.items()}
     head = {size: head_med["head0"] - head_med[f"head{size}"] for size in head_tokens if size}
     head_low = {head_format(o): head_med["head0"] - head_med[f"head{head_format(o)}"] for o in lows}
@@ -256,7 +282,7 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
     (medians over ``reps`` repetitions after a short warm-up).
 
     A plain autoregressive step against ``t_full``; per weight format, a draft step of a draft
-    with every sublayer kept (k=3, greedy, no fallback) against its modelled step, and its verify
+    with every sublayer kept (k=3, greedy, no fallback) against its modelled steps, and its verify
     passes against the modelled ones. The loop's work around a draft step does not depend on the
     weights, and one short run's draft time is noisy (a tenth of a step), so the draft-step overhead
     is the median over every (format, repetition): one ``draft_step``. The adaptive exit's own work
@@ -304,7 +330,7 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
         scale = costs.t_full / ((start + before) / 2)  # this repetition's seconds -> the forwards' pass
         add("plain_step", 0.0)
         for fmt, st in runs.items():
-            add("draft_step", scale * st.draft_time / st.drafted - costs.step_time(specs[fmt]))
+            add("draft_step", (scale * st.draft_time - costs.draft_forwards(specs[fmt], st.drafted, st.rounds)) / st.drafted)
             add("verify", scale * st.verify_time / st.rounds - costs.verify_time(round(st.drafted / st.rounds) + 1))
     out = {name: statistics.median(values) for name, values in samples.items()}
     out["adaptive_step"] = confidence_cost(model)

@@ -31,6 +31,83 @@ def test_predicted_time_formula():
     assert CostModel.from_dict(COSTS.to_dict()) == COSTS
 
 
+def test_a_rounds_first_draft_step_costs_first_later_ones():
+    spec = DraftSpec(SkipPlan(4, attn=(1, 2), mlp=(1,)), DraftOptions(weights="int8", head_tokens=16384), k=3)
+    costs = replace(COSTS, draft={**COSTS.draft, "int8": replace(COSTS.draft["int8"], first=1.5)})
+    step = COSTS.step_time(spec)
+    counts = RoundCounts(tokens=20, model_rounds=Counter({3: 4, 1: 2}), copy_rounds=Counter({5: 1}),
+                         tree_rounds=Counter({(2, 6): 1, (0, 4): 1}), drafted=21, accepted=12)
+    # 4 + 2 model rounds and one tree round drafted (the copy round and the copy tree did not): 7 first steps
+    drafted = 3 * 4 + 2 + 2
+    assert costs.breakdown(counts, spec)["draft"] == pytest.approx((drafted + 0.5 * 7) * step)
+    assert costs.breakdown(counts, spec)["verify"] == pytest.approx(COSTS.breakdown(counts, spec)["verify"])
+    assert costs.step_time(spec) == pytest.approx(step)  # a later step
+    with_overhead = replace(costs, overhead={"draft_step": 0.01, "adaptive_step": 0.002})
+    assert with_overhead.draft_time(spec, drafted, 7) == pytest.approx((drafted + 0.5 * 7) * step + drafted * 0.01)
+    adaptive = spec.replace(adaptive=True)
+    assert with_overhead.draft_time(adaptive, drafted, 7) == pytest.approx((drafted + 0.5 * 7) * step + drafted * 0.012)
+    assert CostModel.from_dict(costs.to_dict()) == costs
+    older = COSTS.to_dict()  # cost models before the first step was priced: every step alike
+    older["draft"] = {k: {f: v for f, v in c.items() if f != "first"} for k, c in older["draft"].items()}
+    assert CostModel.from_dict(older).draft["int8"].first == 1.0
+
+
+def test_sublayer_costs_come_from_later_steps_and_the_first_step_from_one_after_a_plain_forward(tiny, monkeypatch):
+    """On a fake clock where a draft forward costs twice as much when the forward before it was not the same
+    draft (the caches hold other weights), the sublayer costs are those of the later steps and ``first`` is 2."""
+    from contextlib import contextmanager
+
+    from selfspec.search import costs as cm
+
+    now, last = [0.0], [None]
+
+    class FakeClock:
+        def __init__(self, device=None):
+            pass
+
+        def now(self):
+            return now[0]
+
+    class FakePath:
+        active = None
+
+        def __init__(self, model, plan, options=None, stop_ids=()):
+            self.model, self.plan = model, plan
+
+        def prepare(self, tokens):
+            pass
+
+        @contextmanager
+        def drafting(self):
+            FakePath.active = self
+            try:
+                yield
+            finally:
+                FakePath.active = None
+
+    def fake_forward(model, cache, tokens, pos, keep=1):
+        path = FakePath.active
+        if path is None:
+            now[0] += 1.0 + 0.01 * len(tokens)
+        else:
+            n = path.plan.num_layers
+            step = 0.1 + (n - len(path.plan.attn)) * 0.01 + (n - len(path.plan.mlp)) * 0.02
+            now[0] += step * (1 if last[0] is path else 2)
+        last[0] = path
+
+    monkeypatch.setattr(cm, "Clock", FakeClock)
+    monkeypatch.setattr(cm, "DraftPath", FakePath)
+    monkeypatch.setattr(cm, "forward_at", fake_forward)
+    monkeypatch.setattr(cm, "time_heads", lambda paths, hidden, reps, clock: {name: [0.0] for name in paths})
+    monkeypatch.setattr(cm, "loop_overheads", lambda *a, **k: {})
+    costs = cm.measure_costs(tiny, PROMPTS[0], [DraftOptions(), DraftOptions(weights="int4", group_size=32)], [0], 4,
+                             reps=3)
+    for fmt in ("model", "int4-g32"):
+        c = costs.draft[fmt]
+        assert (c.base, c.attn, c.mlp, c.first) == pytest.approx((0.1, 0.01, 0.02, 2.0))
+    assert costs.t_full == pytest.approx(1.01) and costs.t_verify[4] == pytest.approx(1.04)
+
+
 def test_a_quantized_draft_head_is_priced_by_its_own_measurement():
     costs = CostModel.from_dict({**COSTS.to_dict(), "head_low": {"16384/int4-g128": 0.07, "0/int8": 0.02,
                                                                  "16384/int4-g128+r8": 0.065}})
@@ -122,6 +199,12 @@ def test_loop_overheads_scale_each_repetition_by_the_ar_runs_around_it(tiny, mon
                                                                                  group_size=o.group_size), k=3))
             for f, o in (("model", formats[0]), ("int4", formats[1]))}
     draft = sorted(scale * 0.05 - step[f] for scale in (1.0, 0.8) for f in step)
+    assert out["draft_step"] == pytest.approx((draft[1] + draft[2]) / 2)
+    # a draft whose round's first step costs twice a later one: 2 rounds of 6 steps are 8 steps' worth
+    twice = replace(costs, draft={f: replace(c, first=2.0) for f, c in costs.draft.items()})
+    ar_steps = iter([9.9, 0.10, 0.30, 0.20])
+    out = cm.loop_overheads(tiny, PROMPTS[0], twice, formats, reps=2, tokens=24)
+    draft = sorted((scale * 0.05 * 6 - 8 * step[f]) / 6 for scale in (1.0, 0.8) for f in step)
     assert out["draft_step"] == pytest.approx((draft[1] + draft[2]) / 2)
     assert out["verify"] == pytest.approx((1.0 * 0.2 + 0.8 * 0.2) / 2 - 0.25)
     assert out["plain_step"] == 0.0 and out["adaptive_step"] > 0
