@@ -165,3 +165,25 @@ def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, caps
     assert d.returncode == 0 and "gsm8k" in d.stdout and f"tree over chain (decode speed): {4.8 / 3.8:.3f}x" in d.stdout
     assert _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "ar").returncode != 0
 
+
+
+def test_a_second_level_prices_each_levels_first_step_of_a_round():
+    from collections import Counter
+    from dataclasses import replace
+
+    from selfspec import SkipPlan
+    from selfspec.draft.path import DraftOptions
+    from selfspec.draft.spec import DraftSpec
+    from selfspec.inspect.route_bounds import second_level
+    from selfspec.search.rounds import RoundCounts
+    from tests.search.toy import COSTS
+
+    costs = replace(COSTS, draft={**COSTS.draft, "int8": replace(COSTS.draft["int8"], first=1.5)},
+                    overhead={"draft_step": 0.01})
+    spec = DraftSpec(SkipPlan(4, attn=(1,)), DraftOptions(weights="int8"), k=3)
+    counts = RoundCounts(tokens=20, plain_steps=1, model_rounds=Counter({3: 4, 1: 2}), copy_rounds=Counter({5: 1}),
+                         drafted=14, accepted=12)
+    # a first level as dear as the draft: the draft's rounds plus one checking step a round (a first step each)
+    t = costs.time(counts, spec) + costs.draft_time(spec, 6, 6)
+    assert second_level(costs, counts, spec, 1.0) == pytest.approx(20 * COSTS.t_full / t)
+    assert second_level(costs, counts, spec, 0.25) > second_level(costs, counts, spec, 1.0)
