@@ -36,7 +36,7 @@ def cpu_name() -> str:
 
 def machine_fingerprint() -> dict:
     """What makes timings of one machine incomparable with another's: CPU, its vector ISA, the packed kernels,
-    cores, threads, torch.
+    the pages of their weight copies, cores, threads, torch.
 
     The ISA (torch's CPU capability: AVX2, AVX512, ...) tells apart CPUs that report the same name
     (a virtual machine's "AMD EPYC" may be a Zen 3 with AVX2 or a Zen 4 with AVX-512), and with the
@@ -47,12 +47,13 @@ def machine_fingerprint() -> dict:
     """
     import torch
 
+    from selfspec.kernels.hugepages import pages
     from selfspec.kernels.packed import pack_label
     from selfspec.kernels.vnni import cpu_flags
 
     isa = torch.backends.cpu.get_cpu_capability() + (" AMX" if "amx_bf16" in cpu_flags() else "")
     return {"cpu": cpu_name(), "isa": isa, "kernels": pack_label() or "stock",
-            "int4_kernel": _int4_kernel(),
+            "int4_kernel": _int4_kernel(), "weight_pages": pages(),
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 

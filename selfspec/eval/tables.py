@@ -242,6 +242,7 @@ def provenance_lines(name: str, runs: list[Run], command: str | None = None) -> 
     commits = sorted({sha[:7] + ("-dirty" if sha.endswith("-dirty") else "") for sha in shas})
     dates = sorted({(p.get("time") or "unknown")[:10] for p in provs})
     cpus = sorted({", ".join(str(m.get(k)) for k in ("cpu", "isa", "kernels", "int4_kernel") if m.get(k))
+                   + (f", weight copies on {m['weight_pages']} pages" if m.get("weight_pages") else "")
                    + (f", {m['cores']} cores" if m.get("cores") else "")
                    for m in (p.get("machine") or {} for p in provs)})
     tokens = sorted({str(r.header.get("fingerprint", {}).get("max_new_tokens", "?")) for r in runs})

@@ -62,3 +62,16 @@ def advise(t: torch.Tensor) -> int:
     if madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:  # pages touched from now on come huge; the next call moves the rest
         return 0
     return hi - lo if madvise(lo, hi - lo, MADV_COLLAPSE) == 0 else 0
+
+
+def pages() -> str:
+    """The pages weight copies get here: "2 MiB" where :func:`advise` moves a probe's interior onto huge pages,
+    "4 KiB" where it does not (switched off, another OS, a kernel without ``MADV_COLLAPSE``). The machine fingerprint
+    records it: the copies' pages change what a draft step costs, so cost models of the two do not mix."""
+    return _probe() if enabled() else "4 KiB"
+
+
+@functools.cache
+def _probe() -> str:
+    probe = torch.zeros(3 * HUGE, dtype=torch.uint8)  # holds at least one whole aligned huge page, touched
+    return "2 MiB" if advise(probe) else "4 KiB"

@@ -17,8 +17,8 @@ round counts). Measured, all on the weights decoding uses (packed bf16):
 - what the decoding loop adds to each kind of step (``overhead``, :func:`loop_overheads`).
 
 A draft round with ``m`` tokens drafted costs ``(m - 1 + first) x t_step + t_verify[m+1]``, a
-copy round ``t_verify[m+1]``, a draft-tree round of ``nodes`` nodes ``m x t_step + t_verify[nodes+1]``
-(``m`` = 0 for copy trees; loop overheads added per step), a plain step ``t_full``; the predicted speedup of
+copy round ``t_verify[m+1]``, a draft-tree round of ``nodes`` nodes the same with ``t_verify[nodes+1]``
+(no draft step for copy trees; loop overheads added per step), a plain step ``t_full``; the predicted speedup of
 a draft is ``tokens x t_full / time`` over the simulated rounds.
 """
 

@@ -55,3 +55,13 @@ def test_int4_packing_gives_the_same_bytes_either_way(monkeypatch):
     huge = vnni.pack(q, sz)
     assert all(torch.equal(a, b) for a, b in zip(plain, huge))
     assert torch.equal(vnni.unpack(huge[0]), q)
+
+
+def test_the_machine_fingerprint_names_the_pages_weight_copies_get(monkeypatch):
+    from selfspec.provenance import machine_fingerprint
+
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    got = hugepages.advise(torch.zeros(3 * hugepages.HUGE, dtype=torch.uint8))
+    assert machine_fingerprint()["weight_pages"] == ("2 MiB" if got else "4 KiB")
+    monkeypatch.setenv(hugepages.ENV, "0")  # switched off: a cost model measured so is not one measured on huge pages
+    assert machine_fingerprint()["weight_pages"] == "4 KiB"
