@@ -101,8 +101,7 @@ def second_level(costs: CostModel, counts: RoundCounts, spec: DraftSpec, f: floa
     """Predicted speedup with a first level at ``f`` of the draft's layers that always agrees (module docstring)."""
     parts = costs.breakdown(counts, spec)
     cheap = with_layer_costs(costs, weight_format(spec.options), f)
-    drafted = sum(m * n for m, n in counts.model_rounds.items()) + sum(m * n for (m, _), n in counts.tree_rounds.items())
-    rounds = sum(n for m, n in counts.model_rounds.items() if m) + sum(n for (m, _), n in counts.tree_rounds.items() if m)
+    drafted, rounds = counts.model_drafted, counts.model_draft_rounds
     # the cheap level drafts every token; the draft checks them in one step a round, each level's first step of a
     # round priced as the cost model prices it
     t = cheap.draft_time(spec, drafted, rounds) + costs.draft_time(spec, rounds, rounds) + parts["verify"] + parts["plain"]

@@ -133,12 +133,11 @@ class CostModel:
 
     def breakdown(self, counts: RoundCounts, spec: DraftSpec) -> dict[str, float]:
         """:meth:`time` by what the loop clocks apart: draft steps, verify passes, plain steps."""
-        drafted = sum(m * n for m, n in counts.model_rounds.items()) + sum(m * n for (m, _), n in counts.tree_rounds.items())
-        rounds = sum(n for m, n in counts.model_rounds.items() if m) + sum(n for (m, _), n in counts.tree_rounds.items() if m)
         verify = sum(n * self._verify(m + 1) for m, n in (counts.model_rounds + counts.copy_rounds).items())
         verify += sum(n * self._verify(nodes + 1) for (_, nodes), n in counts.tree_rounds.items())
         plain = counts.plain_steps * (self.t_full + self._o("plain_step"))
-        return {"draft": self.draft_time(spec, drafted, rounds), "verify": verify, "plain": plain}
+        draft = self.draft_time(spec, counts.model_drafted, counts.model_draft_rounds)
+        return {"draft": draft, "verify": verify, "plain": plain}
 
     def draft_forwards(self, spec: DraftSpec, drafted: int, rounds: int) -> float:
         """Seconds of the forwards of ``drafted`` draft steps made in ``rounds`` rounds (each round's first step
@@ -196,12 +195,14 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
     configs: dict[str, tuple[int, Callable[[], ExitStack], str | None]] = {"full": (1, ExitStack, None)}
     for m in range(2, max_verify + 1):
         configs[f"verify{m}"] = (m, ExitStack, None)
-    paths: dict[str, DraftPath] = {}
     for opts in formats:
         fmt = weight_format(opts)
         for tag, plan in (("all", full), ("no_attn", all_attn), ("no_mlp", all_mlp)):
-            paths[f"{fmt}/{tag}"] = DraftPath(model, plan, DraftOptions(weights=opts.weights, group_size=opts.group_size),
-                                              stop_ids=stop_ids)
+            path = DraftPath(model, plan, DraftOptions(weights=opts.weights, group_size=opts.group_size),
+                             stop_ids=stop_ids)
+            if tag == "all":  # the first step, then a later one right after it
+                configs[f"{fmt}/first"] = (1, path.drafting, "full")
+            configs[f"{fmt}/{tag}"] = (1, path.drafting, None if tag == "all" else "self")
     # the draft heads differ from the full head in the head alone: timed alone (a head costs 2-20 ms, a
     # difference of two whole forwards of ~100 ms each lost it in their noise)
     heads: dict[str, DraftPath] = {}
@@ -213,10 +214,6 @@ def measure_costs(model, context: list[int], formats: list[DraftOptions], head_t
                          head_rescore=o.head_rescore) for o in head_formats for size in sorted({0, *head_tokens})]
     for opts in lows:
         heads[f"head{head_format(opts)}"] = DraftPath(model, full, opts, stop_ids=stop_ids)
-    for name, path in paths.items():
-        if name.endswith("/all"):  # the first step, then a later one right after it
-            configs[name.replace("/all", "/first")] = (1, path.drafting, "full")
-        configs[name] = (1, path.drafting, None if name.endswith("/all") else "self")
     for path in heads.values():
         path.prepare(tokens)
     times: dict[str, list[float]] = {name: [] for name in configs}

@@ -34,6 +34,16 @@ class RoundCounts:
         return sum(self.model_rounds.values()) + sum(self.copy_rounds.values()) + sum(self.tree_rounds.values())
 
     @property
+    def model_drafted(self) -> int:
+        """Tokens the model drafted (draft steps), in chains and trees; copies not counted."""
+        return sum(m * n for m, n in self.model_rounds.items()) + sum(m * n for (m, _), n in self.tree_rounds.items())
+
+    @property
+    def model_draft_rounds(self) -> int:
+        """Rounds in which the model drafted at least one token (each has a first draft step)."""
+        return sum(n for m, n in self.model_rounds.items() if m) + sum(n for (m, _), n in self.tree_rounds.items() if m)
+
+    @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else float("nan")
 

@@ -166,7 +166,6 @@ def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, caps
     assert _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "ar").returncode != 0
 
 
-
 def test_a_second_level_prices_each_levels_first_step_of_a_round():
     from collections import Counter
     from dataclasses import replace
