@@ -14,7 +14,9 @@ round counts). Measured, all on the weights decoding uses (packed bf16):
 - per draft head size ``N``: what scoring N token ids instead of all saves (``head``);
 - per draft head size and quantized head format (``"<N>/<format>"``, N = 0 for the whole vocabulary):
   what that head saves over the model-precision full head (``head_low``); heads are timed alone;
-- what the decoding loop adds to each kind of step (``overhead``, :func:`loop_overheads`).
+- what the decoding loop adds to each kind of step (``overhead``, :func:`loop_overheads`); a verify's depends on
+  what ran before it: draft steps of one weight format (``verify/<format>``: they may have evicted the model's
+  weights) or a verify (a copy round: ``verify/model``, the all-kept model-precision draft being a full forward).
 
 A draft round with ``m`` tokens drafted costs ``(m - 1 + first) x t_step + t_verify[m+1]``, a
 copy round ``t_verify[m+1]``, a draft-tree round of ``nodes`` nodes the same with ``t_verify[nodes+1]``
@@ -58,7 +60,10 @@ from selfspec.search.rounds import RoundCounts
 # round), and the all-kept draft once more right after a plain forward (a round's first step, ``first``); version 5
 # timed the all-kept draft after a verify and the skipping ones after other drafts, so on a Xeon with a large L3
 # the sublayer costs were differences of a cold and a warm forward (a draft step priced 1.56x what it took).
-COST_MODEL_VERSION = 6
+# 7: the loop's overhead per verify is measured per weight format of the draft steps before it (``verify/<format>``);
+# version 6 pooled it over the formats, so a verify after int4 draft steps was priced as if half of them had been
+# model-precision ones (6% under what it took on a 2-core Xeon).
+COST_MODEL_VERSION = 7
 
 
 def weight_format(options: DraftOptions) -> str:
@@ -133,8 +138,10 @@ class CostModel:
 
     def breakdown(self, counts: RoundCounts, spec: DraftSpec) -> dict[str, float]:
         """:meth:`time` by what the loop clocks apart: draft steps, verify passes, plain steps."""
-        verify = sum(n * self._verify(m + 1) for m, n in (counts.model_rounds + counts.copy_rounds).items())
-        verify += sum(n * self._verify(nodes + 1) for (_, nodes), n in counts.tree_rounds.items())
+        fmt = weight_format(spec.options)
+        verify = sum(n * self._verify(m + 1, fmt if m else None) for m, n in counts.model_rounds.items())
+        verify += sum(n * self._verify(m + 1) for m, n in counts.copy_rounds.items())
+        verify += sum(n * self._verify(nodes + 1, fmt if m else None) for (m, nodes), n in counts.tree_rounds.items())
         plain = counts.plain_steps * (self.t_full + self._o("plain_step"))
         draft = self.draft_time(spec, counts.model_drafted, counts.model_draft_rounds)
         return {"draft": draft, "verify": verify, "plain": plain}
@@ -150,8 +157,11 @@ class CostModel:
         over += self._o("adaptive_step") if spec.adaptive else 0.0
         return max(self.draft_forwards(spec, drafted, rounds) + drafted * over, 1e-9 * drafted)
 
-    def _verify(self, m: int) -> float:
-        return max(self.verify_time(m) + self._o("verify"), 1e-9)
+    def _verify(self, m: int, after: str | None = None) -> float:
+        """A verify over ``m`` tokens in the loop, after draft steps of weight format ``after`` (None: after no
+        draft step); cost models before version 7 have one overhead for every verify."""
+        over = self.overhead.get(f"verify/{after or 'model'}", self._o("verify"))
+        return max(self.verify_time(m) + over, 1e-9)
 
     def predicted_speedup(self, counts: RoundCounts, spec: DraftSpec) -> float:
         """Over our autoregressive loop: one plain step per token."""
@@ -282,7 +292,9 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
     with every sublayer kept (k=3, greedy, no fallback) against its modelled steps, and its verify
     passes against the modelled ones. The loop's work around a draft step does not depend on the
     weights, and one short run's draft time is noisy (a tenth of a step), so the draft-step overhead
-    is the median over every (format, repetition): one ``draft_step``. The adaptive exit's own work
+    is the median over every (format, repetition): one ``draft_step``. A verify's does depend on them
+    (what the draft steps before it read decides how much of the model's weights the caches still
+    hold), so it is one per format, ``verify/<format>``; ``verify`` pools them, for reports. The adaptive exit's own work
     per draft step (a softmax over the vocabulary for the confidence) is timed alone
     (:func:`confidence_cost`): as the difference of two real runs it was lost in their noise.
 
@@ -328,7 +340,9 @@ def loop_overheads(model, prompt: list[int], costs: CostModel, formats: list[Dra
         add("plain_step", 0.0)
         for fmt, st in runs.items():
             add("draft_step", (scale * st.draft_time - costs.draft_forwards(specs[fmt], st.drafted, st.rounds)) / st.drafted)
-            add("verify", scale * st.verify_time / st.rounds - costs.verify_time(round(st.drafted / st.rounds) + 1))
+            verify = scale * st.verify_time / st.rounds - costs.verify_time(round(st.drafted / st.rounds) + 1)
+            add("verify", verify)  # pooled over the formats, for reports
+            add(f"verify/{fmt}", verify)  # after this format's draft steps, as the cost model prices it
     out = {name: statistics.median(values) for name, values in samples.items()}
     out["adaptive_step"] = confidence_cost(model)
     return out

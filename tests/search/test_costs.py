@@ -31,6 +31,20 @@ def test_predicted_time_formula():
     assert CostModel.from_dict(COSTS.to_dict()) == COSTS
 
 
+def test_a_verify_is_priced_by_what_ran_before_it():
+    """A verify after the model's draft steps takes the overhead measured after that weight format's steps, one
+    after no draft step (copy rounds, copy trees) the model-precision one; older cost models pooled them."""
+    spec = DraftSpec(SkipPlan(4, attn=(1, 2), mlp=(1,)), DraftOptions(weights="int8", head_tokens=16384), k=3)
+    counts = RoundCounts(tokens=20, model_rounds=Counter({3: 4, 1: 2}), copy_rounds=Counter({5: 1}),
+                         tree_rounds=Counter({(2, 6): 1, (0, 4): 1}), drafted=21, accepted=12)
+    plain = COSTS.breakdown(counts, spec)["verify"]
+    per_format = replace(COSTS, overhead={"verify": 0.5, "verify/int8": 0.02, "verify/model": 0.01})
+    # 4 + 2 model rounds and one tree round after int8 draft steps, a copy round and a copy tree after none
+    assert per_format.breakdown(counts, spec)["verify"] == pytest.approx(plain + 7 * 0.02 + 2 * 0.01)
+    pooled = replace(COSTS, overhead={"verify": 0.03})
+    assert pooled.breakdown(counts, spec)["verify"] == pytest.approx(plain + 9 * 0.03)
+
+
 def test_a_rounds_first_draft_step_costs_first_later_ones():
     spec = DraftSpec(SkipPlan(4, attn=(1, 2), mlp=(1,)), DraftOptions(weights="int8", head_tokens=16384), k=3)
     costs = replace(COSTS, draft={**COSTS.draft, "int8": replace(COSTS.draft["int8"], first=1.5)})
@@ -185,7 +199,8 @@ def test_loop_overheads_scale_each_repetition_by_the_ar_runs_around_it(tiny, mon
     def fake_spec(model, prompt, plan, cfg, stop_ids=(), draft=None):
         fmt = cm.weight_format(draft.options)
         calls.append(f"{fmt}/{cfg.max_new_tokens}")
-        return SimpleNamespace(stats=SimpleNamespace(draft_time=0.05 * 6, drafted=6, verify_time=0.4, rounds=2))
+        verify = 0.4 if fmt == "model" else 0.5  # a verify after int4 draft steps costs more
+        return SimpleNamespace(stats=SimpleNamespace(draft_time=0.05 * 6, drafted=6, verify_time=verify, rounds=2))
 
     monkeypatch.setattr(cm, "autoregressive", fake_ar)
     monkeypatch.setattr(cm, "self_speculative", fake_spec)
@@ -206,5 +221,8 @@ def test_loop_overheads_scale_each_repetition_by_the_ar_runs_around_it(tiny, mon
     out = cm.loop_overheads(tiny, PROMPTS[0], twice, formats, reps=2, tokens=24)
     draft = sorted((scale * 0.05 * 6 - 8 * step[f]) / 6 for scale in (1.0, 0.8) for f in step)
     assert out["draft_step"] == pytest.approx((draft[1] + draft[2]) / 2)
-    assert out["verify"] == pytest.approx((1.0 * 0.2 + 0.8 * 0.2) / 2 - 0.25)
+    # each format's verifies in units of the same AR runs, against the modelled 4-token verify (0.25 s)
+    assert out["verify/model"] == pytest.approx((1.0 * 0.2 + 0.8 * 0.2) / 2 - 0.25)
+    assert out["verify/int4-g32"] == pytest.approx((1.0 * 0.25 + 0.8 * 0.25) / 2 - 0.25)
+    assert out["verify"] == pytest.approx((0.8 * 0.25 + 1.0 * 0.2) / 2 - 0.25)  # the median of all four, for reports
     assert out["plain_step"] == 0.0 and out["adaptive_step"] > 0
