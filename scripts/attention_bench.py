@@ -30,7 +30,7 @@ from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
 from selfspec.engine.tree import DraftTree, tree_attention_mask
-from selfspec.eval.records import ratio_interval
+from selfspec.eval.records import seconds_ratio
 from selfspec.kernels.packed import kernels_label, packed_weights
 from selfspec.model.plan import SkipPlan
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
@@ -56,16 +56,13 @@ def round_robin(model, fns: dict, reps: int, clock: Clock, raw: dict | None = No
 
 def invariance_ratios(times: dict[str, list[float]]) -> dict[str, list[float]]:
     """Per step: [unpadded over row-invariant summed over the repetitions, its 95% bootstrap interval] (paired by
-    repetition: one step a repetition at each speed, as :func:`~selfspec.eval.records.ratio_interval` takes it)."""
+    repetition: one step a repetition at each speed, :func:`~selfspec.eval.records.seconds_ratio`)."""
     out = {}
     for name in times:
         if not name.endswith(" decode"):
             continue
         step = name[: -len(" decode")]
-        inv, unpadded = (torch.tensor(times[n], dtype=torch.float64) for n in (name, step + " decode unpadded"))
-        ones = torch.ones_like(inv)
-        lo, hi = ratio_interval(torch.stack([ones, inv, ones, unpadded], dim=1))
-        out[step] = [round(float(unpadded.sum() / inv.sum()), 4), round(lo, 4), round(hi, 4)]
+        out[step] = [round(v, 4) for v in seconds_ratio(times[name], times[step + " decode unpadded"])]
     return out
 
 

@@ -8,8 +8,9 @@ and one with them on huge pages, each with the draft's path, timed in turns (alt
 after an untimed forward) on one calibration prompt: plain steps (our AR), then twice a round's forwards, k draft steps
 and a verify over k + 1 rows. The first draft step after a full-model forward is timed apart from the later ones: the
 full forward streams the bf16-sized copies through the caches in between. Prints and appends one JSON line to --out:
-medians per instance, the huge over the 4 KiB ones with a 95% bootstrap interval over the turns, and what a round
-(one first draft step, k - 1 later ones, one verify) costs in plain steps of its own instance, each way.
+medians per instance; the huge over the 4 KiB ones, their seconds summed over the turns, with a 95% paired-bootstrap
+interval over the turns (the project's :func:`~selfspec.eval.records.seconds_ratio`); and what a round (one first
+draft step, k - 1 later ones, one verify) costs in plain steps of its own instance, each way.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import statistics
 
 import torch
@@ -31,6 +31,7 @@ from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
+from selfspec.eval.records import seconds_ratio
 from selfspec.kernels import hugepages
 from selfspec.kernels.packed import packed_weights
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
@@ -109,13 +110,6 @@ class Instance:
         return {kind: [statistics.median(v)] for kind, v in t.items()}
 
 
-def interval(ratios: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
-    """95% bootstrap interval of the median of paired ratios."""
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return [round(meds[int(0.025 * draws)], 3), round(meds[int(0.975 * draws) - 1], 3)]
-
-
 def round_in_plain_steps(med: dict[str, float], k: int) -> float:
     return (med["first draft step"] + (k - 1) * med["later draft step"] + med["verify"]) / med["plain"]
 
@@ -149,13 +143,13 @@ def main() -> None:
                     times[n][kind] += v
     med = {n: {kind: statistics.median(v) for kind, v in per.items()} for n, per in times.items()}
     a, b = names
-    ratio = {kind: round(med[b][kind] / med[a][kind], 3) for kind in KINDS}
-    paired = {kind: interval([y / x for x, y in zip(times[a][kind], times[b][kind])]) for kind in KINDS}
+    paired = {kind: [round(v, 3) for v in seconds_ratio(times[a][kind], times[b][kind])] for kind in KINDS}
     rounds = {n: round(round_in_plain_steps(med[n], spec.k), 3) for n in names}
     res = {"model": args.model, "draft": draft, "k": spec.k, "context_tokens": inst[a].p, "reps": args.reps,
            "huge_page_bytes": on_huge, "median_ms": {n: {kind: round(1e3 * v, 2) for kind, v in per.items()}
                                                      for n, per in med.items()},
-           "huge_over_4k": ratio, "huge_over_4k_interval": paired, "round_in_plain_steps": rounds,
+           "huge_over_4k": {kind: v[0] for kind, v in paired.items()},
+           "huge_over_4k_interval": {kind: v[1:] for kind, v in paired.items()}, "round_in_plain_steps": rounds,
            "machine": machine, "git_commit": commit}
     print(json.dumps(res), flush=True)
     append_row(args.out, res, echo=False)

@@ -290,5 +290,14 @@ def ratio_interval(pairs: torch.Tensor, n: int = 2000, seed: int = 0) -> tuple[f
     return lo, hi
 
 
+def seconds_ratio(base: list[float], other: list[float]) -> tuple[float, float, float]:
+    """``other``'s seconds over ``base``'s, summed over repetitions timed in pairs (``base[i]`` beside
+    ``other[i]``), and its 95% paired-bootstrap interval (:func:`ratio_interval`): ``(ratio, lo, hi)``."""
+    a, b = (torch.tensor(v, dtype=torch.float64) for v in (base, other))
+    ones = torch.ones_like(a)
+    lo, hi = ratio_interval(torch.stack([ones, a, ones, b], dim=1))
+    return float(b.sum() / a.sum()), lo, hi
+
+
 SUMMARY_KEYS = ("new_tokens", "tokens_per_s", "acceptance_rate", "mean_accepted_length", "acceptance_by_position",
                 "ttft_s", "tpot_s", "latency_p50_s", "latency_p99_s", "drafted", "accepted", "rounds")
