@@ -5,8 +5,8 @@ virtual machine a miss walks two page tables (the guest's and the host's). Copie
 Where the kernel allows it (Linux 6.1 or later for ``MADV_COLLAPSE``), :func:`advise` moves the 2 MiB-aligned interior
 of a tensor's storage onto huge pages in place: the same memory, address and values, whatever the system's
 transparent-huge-page setting (``madvise`` on most distributions, which leaves torch's allocations on 4 KiB pages).
-On a 2-core Xeon with AMX (a virtual machine) the 1.5B's int4 draft steps then took 0.56-0.65 of their time, its plain
-steps 0.83-0.88, and its 6-row verifies 1.06-1.14 (two runs of ``python scripts/hugepages.py``, docs/kernels.md).
+On a 2-core Xeon with AMX (a virtual machine) the 1.5B's int4 draft steps then took 0.73-0.85 of their time, its plain
+steps 0.95-0.97, and its 7-row verifies 0.98-1.04 (two runs of ``python scripts/hugepages.py``, docs/kernels.md).
 
 The int4 copies (:func:`selfspec.kernels.vnni.pack` and the stacked siblings of
 :class:`selfspec.draft.lowbit.SharedInput`) and the fp16 panels (:func:`selfspec.kernels.fp16.pack`) are advised as
