@@ -168,18 +168,19 @@ def int4_kernel(w: torch.Tensor, group: int) -> str:
 
 
 def quantize(w: torch.Tensor, kind: str, group: int, kernel: str | None = None,
-             fit: str = "minmax") -> tuple[str, torch.Tensor, torch.Tensor]:
+             fit: str = "minmax", place: bool = True) -> tuple[str, torch.Tensor, torch.Tensor]:
     """A weight-only quantized copy of ``w`` ``[out, in]``: (kernel, packed weight, scales) for :func:`quantized_mm`.
 
     ``kind``: int8 | int4; ``kernel`` (int4 only): ``int4`` (torch's) or ``int4-vnni``; default :func:`int4_kernel`;
-    ``fit`` (int4 only): :func:`_int4_groups`.
+    ``fit`` (int4 only): :func:`_int4_groups`; ``place``: an ``int4-vnni`` copy goes on huge pages now
+    (:func:`selfspec.kernels.vnni.pack`).
     """
     if kind == "int8":
         return ("int8", *_quantize_int8(w))
     kernel = kernel or int4_kernel(w, group)
     if kernel == "int4-vnni":
         q, scale, zero = _int4_groups(w, group, fit)
-        return ("int4-vnni", *vnni.pack(q, torch.stack([scale, zero], dim=-1)))
+        return ("int4-vnni", *vnni.pack(q, torch.stack([scale, zero], dim=-1), place=place))
     return ("int4", *_quantize_int4(w, group, fit))
 
 
@@ -218,24 +219,24 @@ class LowPrecisionLinear(LinearWrapper):
     as extra memory (:attr:`extra_bytes`), the others are held in :attr:`kept_bytes`.
     """
 
-    def __init__(self, inner: nn.Module, weights: str, group_size: int, fit: str = "minmax") -> None:
+    def __init__(self, inner: nn.Module, weights: str, group_size: int, fit: str = "minmax", place: bool = True) -> None:
         super().__init__(inner)
         self.key: tuple | None = None
         self.kind, self.group, self.kernel = "", 0, ""
         self.copies: dict[tuple, tuple[str, torch.Tensor, torch.Tensor]] = {}
         self.shared: SharedInput | None = None  # the siblings this linear shares its input and products with
         self.rows = slice(0, self.out_features)  # its output rows in the siblings' stacked product
-        self.configure(weights, group_size, fit)
+        self.configure(weights, group_size, fit, place)
 
-    def configure(self, weights: str, group_size: int, fit: str = "minmax") -> None:
+    def configure(self, weights: str, group_size: int, fit: str = "minmax", place: bool = True) -> None:
         """Use the copy in this format, quantizing the weight on first use (a draft round calls this for every
-        kept linear: the format in use already costs one comparison)."""
+        kept linear: the format in use already costs one comparison); ``place``: as :func:`quantize`'s."""
         key = copy_key(weights, group_size, fit)
         if key == self.key:
             return
         if key not in self.copies:
             w = self.inner.weight.detach()
-            self.copies[key] = quantize(w, weights, group_size, fit=fit)
+            self.copies[key] = quantize(w, weights, group_size, fit=fit, place=place)
         kernel, qweight, qscale = self.copies[key]
         set_plain(self, key=key, kind=key[0], group=key[1], kernel=kernel, qweight=qweight, qscale=qscale)
 
@@ -302,7 +303,7 @@ class SharedInput:
             return
         qweight = torch.cat([c[1] for c in copies])
         qscale = torch.cat([c[2] for c in copies])
-        hugepages.advise(qweight)  # as each copy was (selfspec.kernels.vnni.pack)
+        hugepages.advise(qweight)  # the siblings' own copies were left where they were made (wrap_linears)
         biases = [m.inner.bias for m in self.members]
         given = [b for b in biases if b is not None]
         bias = None
@@ -333,12 +334,24 @@ class SharedInput:
 
 def wrap_linears(module: nn.Module, weights: str, group_size: int, fit: str = "minmax") -> list[LowPrecisionLinear]:
     """Give every linear below ``module`` a low-precision copy in this format (reusing existing wrappers); siblings
-    (:data:`SIBLINGS`) that all got one share their input (:class:`SharedInput`) and a stacked copy."""
+    (:data:`SIBLINGS`) that all got one share their input (:class:`SharedInput`) and a stacked copy. Each new copy
+    moves onto huge pages once, where it ends up: a stacked one when stacked, the others after."""
+    key = copy_key(weights, group_size, fit)
+    fresh: list[LowPrecisionLinear] = []
+
+    def make(m: nn.Module) -> LowPrecisionLinear:
+        fresh.append(LowPrecisionLinear(m, weights, group_size, fit, place=False))
+        return fresh[-1]
+
+    def reuse(m: LowPrecisionLinear) -> None:
+        if key not in m.copies:
+            fresh.append(m)
+        m.configure(weights, group_size, fit, place=False)
+
     found = wrap_descendants(
         module, LowPrecisionLinear,
         match=lambda m: isinstance(m, (nn.Linear, PackedLinear)),  # a packed linear stays inside the draft's copy
-        make=lambda m: LowPrecisionLinear(m, weights, group_size, fit),
-        on_existing=lambda m: m.configure(weights, group_size, fit),
+        make=make, on_existing=reuse,
     )
     for parent in module.modules():
         for names in SIBLINGS:
@@ -348,4 +361,7 @@ def wrap_linears(module: nn.Module, weights: str, group_size: int, fit: str = "m
             if members[0].shared is None or members[0].shared.members != members:
                 SharedInput(members)
             members[0].shared.stack(members[0].key)
+    for m in fresh:  # what quantize would have placed (stack placed the stacked copies)
+        if m.kernel == "int4-vnni" and (m.shared is None or key not in m.shared.stacked):
+            hugepages.advise(m.qweight)
     return found

@@ -213,16 +213,18 @@ def compile_extension(source: Path, stem: str, flags: list[str], also: tuple[Pat
              build_directory=str(build), verbose=False, is_python_module=False)
 
 
-def pack(q: torch.Tensor, scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(q: torch.Tensor, scale_zero: torch.Tensor, place: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's layout of int4 values ``q`` [N, K] (0..15) and their groups' (scale, zero) [N, K/G, 2]:
-    64 bytes per 128 inputs, byte j holding inputs j (low half) and j + 64 (high half); the scales in bf16. The
-    packed values go on huge pages where they can (:mod:`selfspec.kernels.hugepages`)."""
+    64 bytes per 128 inputs, byte j holding inputs j (low half) and j + 64 (high half); the scales in bf16. With
+    ``place``, the packed values go on huge pages where they can (:mod:`selfspec.kernels.hugepages`); without, the
+    caller places what it keeps (a copy that will be stacked with its siblings' is not worth moving)."""
     n, k = q.shape
     if k % BLOCK:
         raise SelfSpecError(f"the VNNI int4 kernel needs in_features divisible by {BLOCK}, got {k}")
     halves = q.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
     packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    hugepages.advise(packed)
+    if place:
+        hugepages.advise(packed)
     return packed, scale_zero.to(torch.bfloat16).contiguous()
 
 

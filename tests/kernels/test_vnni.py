@@ -264,6 +264,33 @@ def test_siblings_share_one_product_with_the_numbers_they_had_alone(weights, mon
     assert torch.equal(got, ref)
 
 
+@needs_vnni
+def test_each_int4_copy_moves_onto_huge_pages_once_where_it_ends_up(monkeypatch):
+    """Siblings' copies are stacked: the stacked copy is placed, not the copies it was made of; an unstacked
+    linear's copy is placed once; a second format places its own copies only."""
+    from selfspec.draft.lowbit import wrap_linears
+    from selfspec.kernels import hugepages
+
+    placed = []
+    monkeypatch.setattr(hugepages, "advise", lambda t: placed.append(t.untyped_storage().data_ptr()) or 0)
+    model = tiny_model("qwen2", dtype=torch.bfloat16, vocab_size=128, hidden_size=128, intermediate_size=256)
+    layer = model.model.layers[0]
+    wrap_linears(layer, "int4", 128)
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def final(key):  # the storage each copy in use lives in: the stacked ones, and o / down's own
+        return sorted({lin.copy(*key)[1].untyped_storage().data_ptr()
+                       for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                   mlp.down_proj)})
+
+    assert len(final(("int4", 128))) == 4 and sorted(placed) == final(("int4", 128))
+    placed.clear()
+    wrap_linears(layer, "int4", 128)  # the same format again: nothing new to place
+    assert placed == []
+    wrap_linears(layer, "int4", 32)
+    assert sorted(placed) == final(("int4", 32))
+
+
 def test_a_shared_input_changed_in_place_is_computed_again():
     from selfspec.draft.lowbit import SharedInput
 
