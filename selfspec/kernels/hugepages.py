@@ -8,9 +8,10 @@ transparent-huge-page setting (``madvise`` on most distributions, which leaves t
 On a 2-core Xeon with AMX (a virtual machine) the 1.5B's int4 draft steps then took 0.73-0.85 of their time, its plain
 steps 0.95-0.97, and its 7-row verifies 0.98-1.04 (two runs of ``python scripts/hugepages.py``, docs/kernels.md).
 
-The int4 copies (:func:`selfspec.kernels.vnni.pack` and the stacked siblings of
-:class:`selfspec.draft.lowbit.SharedInput`) and the fp16 panels (:func:`selfspec.kernels.fp16.pack`) are advised as
-they are made: our AR baseline and every draft get the same treatment. ``SELFSPEC_HUGEPAGES=0`` leaves them on the
+The int4 copies (each once, where it ends up: a linear's own from :func:`selfspec.kernels.vnni.pack`, or its
+siblings' stacked copy, :func:`selfspec.draft.lowbit.wrap_linears`) and the fp16 panels
+(:func:`selfspec.kernels.fp16.pack`) are advised as they are made: our AR baseline and every draft get the same
+treatment. ``SELFSPEC_HUGEPAGES=0`` leaves them on the
 allocator's pages. Elsewhere (another OS, an older kernel, a refusal) nothing changes and nothing fails.
 """
 
