@@ -11,8 +11,8 @@ steps 0.95-0.97, and its 7-row verifies 0.98-1.04 (two runs of ``python scripts/
 The int4 copies (each once, where it ends up: a linear's own from :func:`selfspec.kernels.vnni.pack`, or its
 siblings' stacked copy, :func:`selfspec.draft.lowbit.wrap_linears`) and the fp16 panels
 (:func:`selfspec.kernels.fp16.pack`) are advised as they are made: our AR baseline and every draft get the same
-treatment. ``SELFSPEC_HUGEPAGES=0`` leaves them on the
-allocator's pages. Elsewhere (another OS, an older kernel, a refusal) nothing changes and nothing fails.
+treatment. ``SELFSPEC_HUGEPAGES=0`` leaves them on the allocator's pages. Elsewhere (another OS, an older kernel, a
+refusal) nothing changes and nothing fails.
 """
 
 from __future__ import annotations
