@@ -6,6 +6,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from selfspec.draft.spec import DraftSpec
+from selfspec.search.costs import weight_format
 
 
 @dataclass
@@ -124,8 +125,9 @@ def prediction_gap(r: SearchReport, margin: float = 0.85) -> str | None:
     if abs(p["acceptance"] - m["acceptance"]) > 0.05:
         return None  # the rounds differ: heldout_gap's kind of note, not the cost model's
     o = r.loop_overheads
-    overheads = (f" (here {o['verify'] * 1e3:+.1f} ms a verify, {o['draft_step'] * 1e3:+.1f} ms a draft step)"
-                 if "verify" in o and "draft_step" in o else "")
+    verify = o.get(f"verify/{weight_format(r.draft.options)}", o.get("verify"))  # after this draft's steps
+    overheads = (f" (here {verify * 1e3:+.1f} ms a verify, {o['draft_step'] * 1e3:+.1f} ms a draft step)"
+                 if verify is not None and "draft_step" in o else "")
     return (f"note: the chosen draft ran at {m['decode_speedup']:.2f}x against {p['decode_speedup']:.2f}x predicted on the "
             f"same prompts and tokens, with acceptance as predicted ({m['acceptance']:.2f} / {p['acceptance']:.2f}): the "
             "cost model priced its rounds too cheap, so the re-timing's measurement chose the draft. Its noisiest part "

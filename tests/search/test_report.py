@@ -54,17 +54,19 @@ def test_the_report_says_where_the_time_went_past_its_target():
 def test_the_report_says_when_the_cost_model_priced_the_rounds_too_cheap():
     from selfspec.search.report import SearchReport, format_report, prediction_gap
 
-    def report(predicted, measured, acceptance=0.93):
+    def report(predicted, measured, acceptance=0.93, **overheads):
         return SearchReport(DraftSpec(SkipPlan(4), k=2), 3.0, {
             "predicted": {"acceptance": 0.92, "tokens_per_round": 4.4, "decode_speedup": predicted},
             "measured": {"acceptance": acceptance, "tokens_per_round": 4.5, "decode_speedup": measured,
                          "speedup": 2.0}}, {}, 100, 500.0, "p.json", "cost model measured",
-            loop_overheads={"verify": -0.0226, "draft_step": -0.0028})
+            loop_overheads={"verify": -0.0226, "draft_step": -0.0028, **overheads})
 
     line = prediction_gap(report(3.21, 2.56))
     assert line.startswith("note: the chosen draft ran at 2.56x against 3.21x predicted on the same prompts and tokens, "
                            "with acceptance as predicted (0.93 / 0.92)")
     assert "(here -22.6 ms a verify, -2.8 ms a draft step)" in line and "--remeasure" in line
     assert line in format_report(report(3.21, 2.56))
+    # a cost model with a verify overhead per weight format: the chosen draft's (model-precision weights here)
+    assert "(here +5.0 ms a verify," in prediction_gap(report(3.21, 2.56, **{"verify/model": 0.005, "verify/int4-g32": 0.03}))
     assert prediction_gap(report(3.0, 2.6)) is None  # within 15%
     assert prediction_gap(report(3.21, 2.56, acceptance=0.80)) is None  # the rounds differ, not the prices
