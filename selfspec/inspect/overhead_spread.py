@@ -3,8 +3,9 @@
     selfspec-inspect overhead-spread results/optuna/qwen2.5-coder-0.5b-default.db \
         [--name qwen2.5-coder-0.5b-default] [--times 5] [--reps 3] [--dtype bfloat16] [--out results/overhead_spread.jsonl]
 
-The search's cost model adds to its isolated forwards what the decoding loop adds around them (``draft_step`` and
-``verify`` in :func:`selfspec.search.costs.loop_overheads`), measured from short real runs. This script runs that
+The search's cost model adds to its isolated forwards what the decoding loop adds around them (``draft_step``, and
+``verify/<format>`` after each weight format's draft steps beside their pooled ``verify``, in
+:func:`selfspec.search.costs.loop_overheads`), measured from short real runs. This script runs that
 measurement ``--times`` times in one process, on the study's context (its first calibration prompt and continuation,
 as the search measures it) and over the draft weight formats the study's cost model measured, each time against the
 study's saved cost model (so only the loop runs differ between the times). It prints each time's overheads and their
@@ -42,13 +43,15 @@ def main(argv: list[str] | None = None) -> None:
         # the search measures them on the first half of its context (selfspec.search.costs.measure_costs)
         o = loop_overheads(lm.model, context[: max(len(context) // 2, 1)], costs, formats, lm.eos_ids,
                            reps=args.reps)
-        rows.append({"draft_step_ms": 1e3 * o["draft_step"], "verify_ms": 1e3 * o["verify"],
-                     "seconds": time.perf_counter() - t0})
-        print(f"{i + 1}/{args.times}: draft step {rows[-1]['draft_step_ms']:+.1f} ms, verify {rows[-1]['verify_ms']:+.1f} ms "
-              f"({rows[-1]['seconds']:.0f} s)", flush=True)
+        # the pooled verify overhead, and each weight format's (the one the cost model prices its drafts with)
+        verify = {f"{name}_ms": 1e3 * v for name, v in o.items() if name == "verify" or name.startswith("verify/")}
+        rows.append({"draft_step_ms": 1e3 * o["draft_step"], **verify, "seconds": time.perf_counter() - t0})
+        each = ", ".join(f"{k[:-3].replace('_', ' ')} {v:+.1f} ms" for k, v in verify.items())
+        print(f"{i + 1}/{args.times}: draft step {rows[-1]['draft_step_ms']:+.1f} ms, {each} ({rows[-1]['seconds']:.0f} s)",
+              flush=True)
+    keys = [k for k in rows[0] if k.endswith("_ms")]
     spread = {k: {"sd": statistics.stdev(r[k] for r in rows) if len(rows) > 1 else float("nan"),
-                  "min": min(r[k] for r in rows), "max": max(r[k] for r in rows)}
-              for k in ("draft_step_ms", "verify_ms")}
+                  "min": min(r[k] for r in rows), "max": max(r[k] for r in rows)} for k in keys}
     for k, v in spread.items():
         print(f"{k}: sd {v['sd']:.1f}, range {v['min']:+.1f} .. {v['max']:+.1f}")
     record = {"study": name, "storage": args.study,

@@ -55,10 +55,12 @@ def test_overhead_spread_measures_the_loop_overheads_again_and_again(tmp_path, c
     assert p.returncode == 0, p.stderr[-2000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(row["times"]) == 2 and row["reps"] == 1 and row["machine"] and row["formats"] >= 1
-    for k in ("draft_step_ms", "verify_ms"):
+    per_format = [k for k in row["times"][0] if k.startswith("verify/")]  # one a weight format the study measured
+    assert len(per_format) == row["formats"]
+    for k in ("draft_step_ms", "verify_ms", *per_format):
         values = [t[k] for t in row["times"]]
         assert row["spread"][k]["min"] == min(values) and row["spread"][k]["max"] == max(values)
-    assert "verify_ms: sd" in p.stdout
+    assert "verify_ms: sd" in p.stdout and f"{per_format[0]}: sd" in p.stdout
 
 
 def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, capsys, tiny_study):
