@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         # the pooled verify overhead, and each weight format's (the one the cost model prices its drafts with)
         verify = {f"{name}_ms": 1e3 * v for name, v in o.items() if name == "verify" or name.startswith("verify/")}
         rows.append({"draft_step_ms": 1e3 * o["draft_step"], **verify, "seconds": time.perf_counter() - t0})
-        each = ", ".join(f"{k[:-3].replace('_', ' ')} {v:+.1f} ms" for k, v in verify.items())
+        each = ", ".join(f"{k[:-3]} {v:+.1f} ms" for k, v in verify.items())
         print(f"{i + 1}/{args.times}: draft step {rows[-1]['draft_step_ms']:+.1f} ms, {each} ({rows[-1]['seconds']:.0f} s)",
               flush=True)
     keys = [k for k in rows[0] if k.endswith("_ms")]

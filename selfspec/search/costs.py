@@ -159,9 +159,9 @@ class CostModel:
 
     def _verify(self, m: int, after: str | None = None) -> float:
         """A verify over ``m`` tokens in the loop, after draft steps of weight format ``after`` (None: after no
-        draft step); cost models before version 7 have one overhead for every verify."""
-        over = self.overhead.get(f"verify/{after or 'model'}", self._o("verify"))
-        return max(self.verify_time(m) + over, 1e-9)
+        draft step)."""
+        over = verify_overhead(self.overhead, after)
+        return max(self.verify_time(m) + (0.0 if over is None else over), 1e-9)
 
     def predicted_speedup(self, counts: RoundCounts, spec: DraftSpec) -> float:
         """Over our autoregressive loop: one plain step per token."""
@@ -180,6 +180,13 @@ class CostModel:
                    {k: SublayerCosts(**v) for k, v in d.get("draft", {}).items()},
                    {int(k): v for k, v in d.get("head", {}).items()}, dict(d.get("head_low", {})), d.get("machine", {}),
                    d.get("overhead", {}), d.get("version", 1))
+
+
+def verify_overhead(overhead: dict[str, float], after: str | None = None) -> float | None:
+    """What the loop adds to a verify after draft steps of weight format ``after`` (None: after no draft step), from
+    a cost model's ``overhead``: ``verify/<format>``, or in cost models before version 7 the one ``verify`` of every
+    verify; None where it has neither."""
+    return overhead.get(f"verify/{after or 'model'}", overhead.get("verify"))
 
 
 def measure_costs(model, context: list[int], formats: list[DraftOptions], head_tokens: list[int],

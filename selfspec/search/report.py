@@ -6,7 +6,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from selfspec.draft.spec import DraftSpec
-from selfspec.search.costs import weight_format
+from selfspec.search.costs import verify_overhead, weight_format
 
 
 @dataclass
@@ -125,7 +125,7 @@ def prediction_gap(r: SearchReport, margin: float = 0.85) -> str | None:
     if abs(p["acceptance"] - m["acceptance"]) > 0.05:
         return None  # the rounds differ: heldout_gap's kind of note, not the cost model's
     o = r.loop_overheads
-    verify = o.get(f"verify/{weight_format(r.draft.options)}", o.get("verify"))  # after this draft's steps
+    verify = verify_overhead(o, weight_format(r.draft.options))  # after this draft's steps
     overheads = (f" (here {verify * 1e3:+.1f} ms a verify, {o['draft_step'] * 1e3:+.1f} ms a draft step)"
                  if verify is not None and "draft_step" in o else "")
     return (f"note: the chosen draft ran at {m['decode_speedup']:.2f}x against {p['decode_speedup']:.2f}x predicted on the "
