@@ -1,10 +1,11 @@
 """What a full-depth forward costs as a function of its width (tokens verified at once).
 
     python scripts/verify_width.py [--model qwen2.5-coder-0.5b] [--widths 1 2 4 8 16 32] [--reps 9]
-                                   [--kernels packed [onednn panels stock]]
+                                   [--kernels packed [onednn panels amx stock]]
 
 On the packed weights decoding uses (``stock``: the weights as loaded; ``onednn``: bf16 packed for oneDNN;
-``panels``: exact fp16 copies on our fp16 panel kernel; either whatever this CPU's own packing is), after a prefill
+``panels``: exact fp16 copies on our fp16 panel kernel; ``amx``: the bf16 weights on our AMX tile kernel; any of them
+whatever this CPU's own packing is), after a prefill
 of one calibration prompt, times a forward over ``m`` tokens at the end of the context for each width, round-robin
 (so load changes hit all widths alike), with a chain mask (the model's own causal mask) and, for widths >= 3, with a
 draft tree's mask (a star: every node a child of the first), which is what a tree verify adds. With more than one of
@@ -27,11 +28,11 @@ from selfspec.engine.cache import PositionalKVCache
 from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
 from selfspec.engine.tree import DraftTree, tree_attention_mask
-from selfspec.kernels import fp16
+from selfspec.kernels import amx, fp16
 from selfspec.kernels.packed import kernels_label, packed_weights, weight_packer
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
-KINDS = {"packed": None, "onednn": "bf16", "panels": "fp16", "stock": None}  # --kernels -> the packing asked for
+KINDS = {"packed": None, "onednn": "bf16", "panels": "fp16", "amx": "amx", "stock": None}  # --kernels -> the packing asked for
 
 
 def kernel_name(kernels: str) -> str:
@@ -39,6 +40,8 @@ def kernel_name(kernels: str) -> str:
         return f"packed fp16 {fp16.label()}"
     if kernels == "onednn":
         return "packed bf16"
+    if kernels == "amx":
+        return f"packed {amx.label()}"
     return kernels_label(kernels == "packed")
 
 
@@ -67,11 +70,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--kernels", nargs="+", choices=list(KINDS), default=["packed"],
                     help="the packed weights decoding uses on this CPU, oneDNN's bf16 packs, our fp16 panel kernel's "
-                         "copies, or the weights as loaded; several: one model instance each, timed in turn")
+                         "copies, our AMX kernel's panels, or the weights as loaded; several: one model instance each, "
+                         "timed in turn")
     ap.add_argument("--out", default="results/verify_width.jsonl")
     args = ap.parse_args()
     if "panels" in args.kernels and not fp16.available():
         ap.error(f"--kernels panels: the fp16 panel kernel does not run here ({fp16.unavailable_reason()})")
+    if "amx" in args.kernels and not amx.available():
+        ap.error(f"--kernels amx: our AMX kernel does not run here ({amx.unavailable_reason()})")
     kernels = list(dict.fromkeys(args.kernels))
     models = {}
     for kernels_ in kernels:

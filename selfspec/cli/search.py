@@ -26,7 +26,7 @@ from selfspec.cli.config import check_new_keys, conf_dir, dataset_config, plain,
 from selfspec.cli.jobs import job_failed, ran_in_child, save_config, set_threads
 from selfspec.cli.wandb_logger import WandbLogger
 from selfspec.errors import SelfSpecError
-from selfspec.kernels import fp16, vnni
+from selfspec.kernels import amx, fp16, vnni
 from selfspec.kernels.packed import pack_format
 from selfspec.search.pipeline import search
 from selfspec.search.report import format_report
@@ -60,8 +60,11 @@ def main(cfg: DictConfig) -> None:
         # compiler runs while the prompts and the model are fetched and loaded (docs/log.md)
         int4 = "int4" in settings.space.weights + settings.space.head_weights and cfg.model.device == "cpu"
         build = vnni.build_in_background() if int4 else None
-        # likewise our fp16 kernel, where the packed forwards run on fp16 copies (an AVX2 CPU; ~55 s on a Zen 3)
-        build16 = fp16.build_in_background() if cfg.model.device == "cpu" and pack_format() == "fp16" else None
+        # likewise the full model's kernel: ours on AMX tiles on a CPU with AMX, else our fp16 kernel where the packed
+        # forwards run on fp16 copies (an AVX2 CPU; ~55 s on a Zen 3)
+        cpu = cfg.model.device == "cpu"
+        build16 = (amx.build_in_background() if cpu and amx.cpu_has_amx() else
+                   fp16.build_in_background() if cpu and pack_format() == "fp16" else None)
         prompts = prompt_set_from_config(dataset_config(cfg), cfg.model.cache_dir)
         lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)
         save_config(cfg, out_dir)

@@ -148,7 +148,7 @@ def decode_record(cfg: DecodeConfig) -> dict:
     fmt = pack_format()
     if fmt is None:  # asked for, but this CPU runs the weights as loaded: recorded as it ran
         rec["packed_weights"] = rec["packed_only"] = False
-    elif fmt in ("fp16", "fp32") and rec["packed_weights"]:
+    elif fmt in ("fp16", "fp32", "amx") and rec["packed_weights"]:
         rec["packed_weights"] = pack_label()
     for key in ("packed_weights", "packed_only", "gate"):
         if not rec[key]:

@@ -49,8 +49,8 @@ import torch
 from torch import nn
 
 from selfspec.errors import SelfSpecError
-from selfspec.kernels import fp16, vnni, widths
-from selfspec.model.wrap import instance_state, wrap_descendants
+from selfspec.kernels import amx, fp16, widths
+from selfspec.model.wrap import copy_out_of_checkpoint, instance_state, wrap_descendants
 
 
 @functools.cache
@@ -85,18 +85,25 @@ def fbgemm_fp16() -> bool:
     return True
 
 
-PACK_ENV = "SELFSPEC_PACK"  # bf16 or fp16: the full model's packing whatever the CPU (where it runs)
+PACK_ENV = "SELFSPEC_PACK"  # bf16, fp16 or amx: the full model's packing whatever the CPU (where it runs)
 
 
 @functools.cache
 def pack_format() -> str | None:
-    """How bf16 weights are packed here: ``bf16`` where oneDNN packs them but not with AMX; else ``fp16`` (exact fp16
-    copies, on our kernel or fbgemm's: :func:`fp16_kernel`) or, without fbgemm, ``fp32`` (copies for oneDNN's fp32
-    kernel, for inputs of :data:`FP32_MIN_ROWS` rows or more); None with neither. :data:`PACK_ENV` may ask for one."""
+    """How bf16 weights are packed here: ``amx`` (our AMX tile kernel, :mod:`selfspec.kernels.amx`) where it runs,
+    ``bf16`` where oneDNN packs them but not with AMX; else ``fp16`` (exact fp16 copies, on our kernel or fbgemm's:
+    :func:`fp16_kernel`; also on an AMX CPU where our AMX kernel does not run) or, without fbgemm, ``fp32`` (copies for
+    oneDNN's fp32 kernel, for inputs of :data:`FP32_MIN_ROWS` rows or more); None with neither. :data:`PACK_ENV` may
+    ask for one."""
     asked = os.environ.get(PACK_ENV, "")
-    if asked not in ("", "bf16", "fp16"):
-        raise SelfSpecError(f"{PACK_ENV}={asked}: bf16 (oneDNN) or fp16 (exact fp16 copies), or unset")
-    if asked == "fp16" or (not asked and packing_supported() and "amx_bf16" in vnni.cpu_flags()):
+    if asked not in ("", "bf16", "fp16", "amx"):
+        raise SelfSpecError(f"{PACK_ENV}={asked}: bf16 (oneDNN), fp16 (exact fp16 copies) or amx, or unset")
+    if asked == "amx" and not amx.available():
+        raise SelfSpecError(f"{PACK_ENV}=amx: our AMX kernel does not run here ({amx.unavailable_reason()})")
+    on_amx = not asked and packing_supported() and amx.cpu_has_amx()
+    if asked == "amx" or (on_amx and amx.available()):
+        return "amx"  # one-row steps and verifies both faster than on the fp16 panels (docs/kernels.md)
+    if asked == "fp16" or on_amx:
         return "fp16"  # on AMX: our panels' one-row products beat oneDNN's bf16 ones (docs/kernels.md)
     if packing_supported():
         return "bf16"
@@ -115,8 +122,10 @@ def fp16_kernel() -> str | None:
 
 
 def pack_label() -> str | None:
-    """:func:`pack_format`, with our fp16 kernel's name where it computes the fp16 copies (``fp16 panels r1``):
-    what records and machine fingerprints say, so runs and cost models of the two fp16 kernels never mix."""
+    """:func:`pack_format`, with our kernel's name where it computes the copies (``fp16 panels r1``, ``amx r1``):
+    what records and machine fingerprints say, so runs and cost models of two kernels never mix."""
+    if pack_format() == "amx":
+        return amx.label()
     kernel = fp16_kernel()
     return f"fp16 {kernel}" if kernel not in (None, "fbgemm") else pack_format()
 
@@ -134,14 +143,15 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and pack_format() is not None
 
 
-KERNELS = {"bf16": "packed", "fp16": "packed fp16", "fp32": "packed fp32", None: "stock"}  # kinds: PackedLinear's
+# PackedLinear's kinds -> what records call them
+KERNELS = {"bf16": "packed", "fp16": "packed fp16", "fp32": "packed fp32", "amx": "packed amx", None: "stock"}
 PACK_KINDS = tuple(k for k in KERNELS if k)
 # fp32 copies serve inputs of this many rows or more; fewer go through the stock bf16 kernel (Qwen2.5-Coder-1.5B
 # forward on a 2-core Zen 3 EPYC, AVX2, scripts/verify_width.py: stock 1.75x / 3.25x / 4.79x of a one-row step at
 # 2 / 4 / 6 rows, fp32 copies 2.63x / 2.64x at 4 / 6; at 2 rows a scratch probe had the copies slower than stock,
 # 2.01x against 1.71x: docs/log.md)
 FP32_MIN_ROWS = 3
-# fp16 panels where oneDNN packs bf16 (AMX): a prefill's products (this many rows or more, above any verify's) run on
+# our kernels where oneDNN packs bf16 (AMX): a prefill's products (this many rows or more, above any verify's) run on
 # the dense weight's stock kernel, whose AMX tiles are far faster there (docs/kernels.md); verifies stay on the panels
 PREFILL_MIN_ROWS = 64
 
@@ -183,7 +193,8 @@ class PackedLinear(LinearWrapper):
     """An ``nn.Linear`` that also keeps its weight prepacked, used while ``active``.
 
     ``kind``: ``bf16`` (oneDNN's layout), ``fp16`` (an exact fp16 copy, in our kernel's panels where ``panels``,
-    else prepacked for fbgemm) or ``fp32`` (an fp32 copy for oneDNN), as :func:`pack_format` says or ``kind`` asks.
+    else prepacked for fbgemm), ``fp32`` (an fp32 copy for oneDNN) or ``amx`` (the bf16 weight in our AMX kernel's
+    panels), as :func:`pack_format` says or ``kind`` asks.
     A weight that fp16 does not hold exactly is ``bf16 panels`` where our kernel runs (its bf16 values in the same
     panels: the same row-invariant sums, selfspec.kernels.fp16), else ``fp32``.
     Without its dense weight (:meth:`drop_dense`) it always computes on the packed one.
@@ -198,12 +209,14 @@ class PackedLinear(LinearWrapper):
         wide = w.float() if self.kind in ("fp16", "fp32") else None  # converted once: the 1.5B's head is 0.9 GB in fp32
         # our kernel's layout (selfspec.kernels.fp16): this CPU's fp16 kernel, or ours where fp16 is asked for
         self.panels = self.kind == "fp16" and (fp16.available() if kind else fp16_kernel() != "fbgemm")
-        self.stock_wide = self.panels and packing_supported()  # PREFILL_MIN_ROWS rows or more: the stock kernel
+        self.stock_wide = (self.panels or self.kind == "amx") and packing_supported()  # prefills: the stock kernel
         if self.kind == "fp16" and not torch.equal(w.half().float(), wide):
             self.kind = "bf16 panels" if self.panels else "fp32"
-        if self.panels:
+        self.bias32 = None if inner.bias is None else inner.bias.detach().float().contiguous()
+        if self.kind == "amx":
+            self.packed = amx.pack(w)
+        elif self.panels:
             self.packed = fp16.pack(w, torch.bfloat16 if self.kind == "bf16 panels" else torch.float16)
-            self.bias32 = None if inner.bias is None else inner.bias.detach().float().contiguous()
         elif self.kind == "fp16":  # fbgemm keeps the bias in the packed object
             bias = inner.bias
             self.packed = torch.ops.quantized.linear_prepack_fp16(wide, None if bias is None else bias.detach().float())
@@ -222,6 +235,8 @@ class PackedLinear(LinearWrapper):
         return self.inner.weight if self.dense else self._from_packed()
 
     def _from_packed(self) -> torch.Tensor:
+        if self.kind == "amx":
+            return amx.unpack(self.packed, self.out_features, self.in_features)
         if self.panels:
             return fp16.unpack(self.packed, self.out_features).to(torch.bfloat16)  # exact
         if self.kind == "fp16":
@@ -251,9 +266,11 @@ class PackedLinear(LinearWrapper):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active and self.dense:
             return self.inner(x)
+        if self.stock_wide and self.dense and x.numel() >= PREFILL_MIN_ROWS * x.shape[-1]:
+            return self.inner(x)  # a prefill's rows, where oneDNN packs bf16: its kernel (AMX tiles) is faster
+        if self.kind == "amx":
+            return amx.linear(x, self.packed, self.bias32, self.out_features)
         if self.panels:
-            if self.stock_wide and self.dense and x.numel() >= PREFILL_MIN_ROWS * x.shape[-1]:
-                return self.inner(x)  # a prefill's rows, where oneDNN packs bf16: its kernel (AMX tiles) is faster
             return fp16.linear(x, self.packed, self.bias32, self.out_features)
         if self.kind == "fp16":
             return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
@@ -282,7 +299,7 @@ class WeightPacker:
             _say_unpacked()
         self.depth = 0
         if not keep_dense:
-            _unmap_checkpoint(model)
+            copy_out_of_checkpoint(model)
 
     @property
     def extra_bytes(self) -> int:
@@ -297,7 +314,7 @@ class WeightPacker:
                 else:
                     lin.drop_dense()
             if not keep:
-                _unmap_checkpoint(self.model)
+                copy_out_of_checkpoint(self.model)
             self.keeps_dense = keep
 
     @contextmanager
@@ -347,22 +364,6 @@ def _wrap(model: nn.Module, keep_dense: bool, kind: str | None = None) -> list[P
         for lin in linears:
             lin.drop_dense()
     return linears
-
-
-def _unmap_checkpoint(model: nn.Module) -> None:
-    """Copies the remaining parameters and buffers into process memory, so the checkpoint can be unmapped.
-
-    transformers maps the weights file into memory; the pages of freed dense
-    weights stay resident while any tensor of that file is alive, so freeing
-    them alone saves nothing. The copies hold the same values (a tied weight stays tied).
-    """
-    with torch.no_grad():
-        for p in model.parameters():  # each once: a tied weight is one parameter
-            p.data = p.data.clone()
-        for module in model.modules():
-            for name, t in module._buffers.items():
-                if t is not None:
-                    module._buffers[name] = t.clone()
 
 
 _PACKER_ATTR = "_selfspec_packer"

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
 from torch import nn
 
 W = TypeVar("W", bound=nn.Module)
@@ -76,3 +77,19 @@ def set_plain(module: nn.Module, **values) -> None:
         if name in module._parameters or name in module._buffers or name in module._modules:
             raise AttributeError(f"{name} is a parameter, buffer or submodule of {type(module).__name__}")
     module.__dict__.update(values)
+
+
+def copy_out_of_checkpoint(model: nn.Module) -> None:
+    """Copies the remaining parameters and buffers into process memory, so the checkpoint can be unmapped.
+
+    transformers maps the weights file into memory; the pages of freed dense
+    weights stay resident while any tensor of that file is alive, so freeing
+    them alone saves nothing. The copies hold the same values (a tied weight stays tied).
+    """
+    with torch.no_grad():
+        for p in model.parameters():  # each once: a tied weight is one parameter
+            p.data = p.data.clone()
+        for module in model.modules():
+            for name, t in module._buffers.items():
+                if t is not None:
+                    module._buffers[name] = t.clone()

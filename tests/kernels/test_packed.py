@@ -233,21 +233,34 @@ def bf16_packing(monkeypatch):
     packed_module.pack_format.cache_clear()
 
 
-@pytest.mark.parametrize("flags, asked, want", [({"avx512f"}, "", "bf16"), ({"avx512f", "amx_bf16"}, "", "fp16"),
-                                                ({"avx512f", "amx_bf16"}, "bf16", "bf16"), ({"avx512f"}, "fp16", "fp16")])
-def test_a_cpu_with_amx_packs_the_full_model_as_fp16_unless_asked_otherwise(monkeypatch, flags, asked, want):
-    from selfspec.kernels import vnni
+AMX = {"avx512f", "amx_tile", "amx_bf16"}
+
+
+@pytest.mark.parametrize("flags, runs, asked, want", [
+    ({"avx512f"}, False, "", "bf16"), (AMX, True, "", "amx"), (AMX, False, "", "fp16"), (AMX, True, "bf16", "bf16"),
+    (AMX, True, "fp16", "fp16"), ({"avx512f"}, False, "fp16", "fp16"), ({"avx512f"}, True, "amx", "amx")])
+def test_a_cpu_with_amx_packs_the_full_model_for_our_amx_kernel_where_it_runs(monkeypatch, flags, runs, asked, want):
+    """AMX tiles where the kernel runs (else the fp16 panels); whatever the CPU, what SELFSPEC_PACK asks for."""
+    from selfspec.kernels import amx, vnni
 
     monkeypatch.setattr(packed_module, "packing_supported", lambda: True)
     monkeypatch.setattr(vnni, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(amx, "available", lambda: runs)
+    monkeypatch.setattr(amx, "unavailable_reason", lambda: None if runs else "the CPU lacks amx_tile")
     monkeypatch.setenv(packed_module.PACK_ENV, asked)
     packed_module.pack_format.cache_clear()
     try:
         assert packed_module.pack_format() == want
+        assert (packed_module.pack_label() == amx.label()) == (want == "amx")
         monkeypatch.setenv(packed_module.PACK_ENV, "int4")
         packed_module.pack_format.cache_clear()
         with pytest.raises(SelfSpecError, match="SELFSPEC_PACK=int4: bf16"):
             packed_module.pack_format()
+        if not runs:  # asked for where it does not run: said, not swapped for another kernel
+            monkeypatch.setenv(packed_module.PACK_ENV, "amx")
+            packed_module.pack_format.cache_clear()
+            with pytest.raises(SelfSpecError, match="SELFSPEC_PACK=amx: our AMX kernel does not run here"):
+                packed_module.pack_format()
     finally:
         monkeypatch.delenv(packed_module.PACK_ENV)
         packed_module.pack_format.cache_clear()
