@@ -1,7 +1,8 @@
-"""What huge pages for the weight copies change in a decode's forwards (:mod:`selfspec.kernels.hugepages`).
+"""What huge pages for the weight copies change in a decode's forwards (:mod:`selfspec.kernels.hugepages`), or what
+another packing of the full model's weights does (``--kernels``).
 
     python scripts/hugepages.py [--model qwen2.5-coder-1.5b] [--draft results/plans/<model>-default.json]
-                                [--dataset humaneval] [--reps 12]
+                                [--dataset humaneval] [--reps 12] [--kernels fp16 amx]
 
 Two instances of the model in one process, one whose copies were made with ``SELFSPEC_HUGEPAGES=0`` (4 KiB pages)
 and one with them on huge pages, each with the draft's path, timed in turns (alternating which goes first, each turn
@@ -11,6 +12,11 @@ full forward streams the bf16-sized copies through the caches in between. Prints
 medians per instance; the huge over the 4 KiB ones, their seconds summed over the turns, with a 95% paired-bootstrap
 interval over the turns (the project's :func:`~selfspec.eval.records.seconds_ratio`); and what a round (one first
 draft step, k - 1 later ones, one verify) costs in plain steps of its own instance, each way.
+
+``--kernels A B``: the two instances both on huge pages, packed as ``A`` and ``B`` (``SELFSPEC_PACK``'s values: fp16
+for our fp16 panels, amx for our AMX tiles, bf16 for oneDNN); ``B`` over ``A`` as above (``over_first``), appended to
+``results/kernel_pair.jsonl`` unless ``--out`` says otherwise. The draft's int4 steps run the same kernel in both, so
+a round's cost in plain steps says what the packing does to the decode speedup at the same acceptance.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from selfspec.engine.decoding import forward_at
 from selfspec.engine.stats import Clock
 from selfspec.eval.records import seconds_ratio
 from selfspec.kernels import hugepages
-from selfspec.kernels.packed import packed_weights
+from selfspec.kernels.packed import PACK_KINDS, kernels_label, packed_weights, weight_packer
 from selfspec.provenance import append_row, git_commit, machine_fingerprint
 
 KINDS = ("plain", "first draft step", "later draft step", "verify")
@@ -51,12 +57,15 @@ def huge_bytes() -> int:
 class Instance:
     """A model and its draft path, with every copy made (and advised, or not) while ``SELFSPEC_HUGEPAGES`` said so."""
 
-    def __init__(self, model_name: str, dataset: str, spec: DraftSpec, huge: bool) -> None:
+    def __init__(self, model_name: str, dataset: str, spec: DraftSpec, huge: bool, kind: str | None = None) -> None:
         old = os.environ.get(hugepages.ENV)
         os.environ[hugepages.ENV] = "1" if huge else "0"
         try:
             self.lm = load_model(model_name)
             m = self.lm.model
+            if kind:
+                weight_packer(m, kind=kind)
+            self.kernels = kernels_label(True) if kind is None else kernels_label(True, kind)
             self.path = DraftPath(m, spec.plan, spec.options, stop_ids=self.lm.eos_ids)
             self.k = spec.k
             prompt = calibration_prompts(self.lm.tokenizer, [dataset], 1)[0]
@@ -120,17 +129,25 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="a draft file (default: results/plans/<model>-default.json)")
     ap.add_argument("--dataset", default="humaneval", help="the task set whose first calibration prompt is the context")
     ap.add_argument("--reps", type=int, default=12)
-    ap.add_argument("--out", default="results/hugepages.jsonl")
+    ap.add_argument("--kernels", nargs=2, choices=PACK_KINDS, default=None,
+                    help="compare these two packings of the full model (both on huge pages) instead of the pages")
+    ap.add_argument("--out", default=None, help="default: results/hugepages.jsonl, with --kernels results/kernel_pair.jsonl")
     args = ap.parse_args()
     if not hugepages.enabled():
         ap.error(f"huge pages cannot be asked for here (Linux's madvise, {hugepages.ENV} not 0)")
+    if args.kernels and args.kernels[0] == args.kernels[1]:
+        ap.error("--kernels: two different packings")
     draft = args.draft or f"results/plans/{args.model}-default.json"
     spec = DraftSpec.load(draft)
     machine, commit = machine_fingerprint(), git_commit()
     before = huge_bytes()
-    inst = {"4 KiB pages": Instance(args.model, args.dataset, spec, huge=False)}
+    if args.kernels:
+        inst = {kind: Instance(args.model, args.dataset, spec, huge=True, kind=kind) for kind in args.kernels}
+    else:
+        inst = {"4 KiB pages": Instance(args.model, args.dataset, spec, huge=False)}
     mid = huge_bytes()
-    inst["huge pages"] = Instance(args.model, args.dataset, spec, huge=True)
+    if not args.kernels:
+        inst["huge pages"] = Instance(args.model, args.dataset, spec, huge=True)
     on_huge = {"4 KiB pages": mid - before, "huge pages": huge_bytes() - mid}
     clock = Clock()
     names = list(inst)
@@ -145,14 +162,16 @@ def main() -> None:
     a, b = names
     paired = {kind: [round(v, 3) for v in seconds_ratio(times[a][kind], times[b][kind])] for kind in KINDS}
     rounds = {n: round(round_in_plain_steps(med[n], spec.k), 3) for n in names}
+    over = "over_first" if args.kernels else "huge_over_4k"
     res = {"model": args.model, "draft": draft, "k": spec.k, "context_tokens": inst[a].p, "reps": args.reps,
-           "huge_page_bytes": on_huge, "median_ms": {n: {kind: round(1e3 * v, 2) for kind, v in per.items()}
-                                                     for n, per in med.items()},
-           "huge_over_4k": {kind: v[0] for kind, v in paired.items()},
-           "huge_over_4k_interval": {kind: v[1:] for kind, v in paired.items()}, "round_in_plain_steps": rounds,
+           **({"kernels": {n: inst[n].kernels for n in names}} if args.kernels else {"huge_page_bytes": on_huge}),
+           "median_ms": {n: {kind: round(1e3 * v, 2) for kind, v in per.items()} for n, per in med.items()},
+           over: {kind: v[0] for kind, v in paired.items()},
+           f"{over}_interval": {kind: v[1:] for kind, v in paired.items()}, "round_in_plain_steps": rounds,
            "machine": machine, "git_commit": commit}
     print(json.dumps(res), flush=True)
-    append_row(args.out, res, echo=False)
+    append_row(args.out or ("results/kernel_pair.jsonl" if args.kernels else "results/hugepages.jsonl"), res,
+               echo=False)
 
 
 if __name__ == "__main__":

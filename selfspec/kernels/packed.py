@@ -26,9 +26,9 @@ its bf16 values in our kernel's panels (the same sums, so verifies stay row-inva
 oneDNN's fp32 kernel under fbgemm. The results are the stock kernel's numbers up to the order of the sums. The copies
 take the bf16 weights' memory again. Without fbgemm (``fp32``) every weight gets the fp32 copy, used for inputs of
 :data:`FP32_MIN_ROWS` rows or more, at twice the bf16 weights' memory. Each method records which kernels it ran on
-(``kernels``), and a line on stderr says so once. On a CPU with AMX (a Xeon) the weights get fp16 copies on our
-kernel's AVX-512 build too: the 1.5B's one-token forward took 0.57-0.75 of oneDNN's time there (docs/kernels.md); a
-prefill's products stay on oneDNN (:data:`PREFILL_MIN_ROWS`). ``SELFSPEC_PACK=bf16`` / ``fp16`` asks for a packing.
+(``kernels``), and a line on stderr says so once. On a CPU with AMX (a Xeon) the bf16 weights go into our AMX kernel's
+panels (``amx``, :mod:`selfspec.kernels.amx`), or where it does not run get fp16 copies on our fp16 kernel's AVX-512
+build; a prefill's products stay on oneDNN (:data:`PREFILL_MIN_ROWS`). ``SELFSPEC_PACK=bf16|fp16|amx`` asks for one.
 
 ``keep_dense=False`` frees the dense weights once packed; only the packed copies of weights that must stay dense are
 then extra: a weight shared with another module (tied embeddings) and the LM head's, whose rows the draft's cut head
@@ -146,22 +146,23 @@ def can_pack(weight: torch.Tensor) -> bool:
 # PackedLinear's kinds -> what records call them
 KERNELS = {"bf16": "packed", "fp16": "packed fp16", "fp32": "packed fp32", "amx": "packed amx", None: "stock"}
 PACK_KINDS = tuple(k for k in KERNELS if k)
-# fp32 copies serve inputs of this many rows or more; fewer go through the stock bf16 kernel (Qwen2.5-Coder-1.5B
-# forward on a 2-core Zen 3 EPYC, AVX2, scripts/verify_width.py: stock 1.75x / 3.25x / 4.79x of a one-row step at
-# 2 / 4 / 6 rows, fp32 copies 2.63x / 2.64x at 4 / 6; at 2 rows a scratch probe had the copies slower than stock,
-# 2.01x against 1.71x: docs/log.md)
+# fp32 copies serve inputs of this many rows or more; fewer go through the stock bf16 kernel, faster there (the 1.5B
+# on a 2-core Zen 3, scripts/verify_width.py: stock 1.75x a one-row step at 2 rows, the copies 2.01x; docs/log.md)
 FP32_MIN_ROWS = 3
 # our kernels where oneDNN packs bf16 (AMX): a prefill's products (this many rows or more, above any verify's) run on
 # the dense weight's stock kernel, whose AMX tiles are far faster there (docs/kernels.md); verifies stay on the panels
 PREFILL_MIN_ROWS = 64
 
 
-def kernels_label(packed: bool) -> str:
+def kernels_label(packed: bool, kind: str | None = None) -> str:
     """What a method computes on: ``packed`` (our prepacked bf16 weights), ``packed fp16`` / ``packed fp32``
     (fp16 or fp32 copies, on a CPU that cannot pack bf16; ``packed fp16 panels r1`` where our fp16 kernel computes
-    them) or ``stock`` (the model as loaded)."""
+    them), ``packed amx r1`` or ``stock`` (the model as loaded). ``kind``: a packing asked for, not this CPU's."""
     if not packed:
         return "stock"
+    if kind not in (None, pack_format()):
+        kernel = amx.label() if kind == "amx" else fp16.label() if kind == "fp16" and fp16.available() else None
+        return KERNELS[kind] if kernel is None else f"packed {kind} {kernel}".replace("amx amx", "amx")
     label = pack_label()
     return KERNELS[pack_format()] if label == pack_format() else f"packed {label}"
 

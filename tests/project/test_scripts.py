@@ -46,6 +46,30 @@ def test_hugepages_times_both_instances_in_turns(tmp_path):
     assert all(r > 1 for r in row["round_in_plain_steps"].values())  # three draft steps and a verify: over one step
 
 
+def test_hugepages_compares_two_packings_of_the_full_model(tmp_path):
+    from selfspec.draft.path import DraftOptions
+    from selfspec.draft.spec import DraftSpec
+    from selfspec.kernels import amx, fp16
+    from selfspec.kernels.packed import packing_supported
+    from selfspec.model.plan import SkipPlan
+
+    if not (packing_supported() and fp16.available()):
+        pytest.skip("needs oneDNN's bf16 packing and our fp16 kernel")
+    kernels = ["fp16", "amx"] if amx.available() else ["bf16", "fp16"]
+    draft = DraftSpec(SkipPlan(4, mlp=(2,)), DraftOptions(), k=2).save(tmp_path / "draft.json")
+    out = tmp_path / "pair.jsonl"
+    p = _script("hugepages.py", "--model", "tiny-llama", "--dataset", "tiny", "--draft", str(draft), "--reps", "2",
+                "--kernels", *kernels, "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert set(row["median_ms"]) == set(kernels) and "huge_page_bytes" not in row
+    assert len(set(row["kernels"].values())) == 2  # each instance says what it computed on
+    for kind, (lo, hi) in row["over_first_interval"].items():
+        assert lo <= hi and row["over_first"][kind] > 0
+    p = _script("hugepages.py", "--model", "tiny-llama", "--draft", str(draft), "--kernels", "fp16", "fp16")
+    assert p.returncode != 0 and "two different packings" in p.stderr
+
+
 def test_ar_vs_hf_appends_one_row(tmp_path):
     out = tmp_path / "ar.jsonl"
     p = _script("ar_vs_hf.py", "--model", "tiny-llama", "--datasets", "tiny", "--reps", "2",
