@@ -197,8 +197,7 @@ class PackedLinear(LinearWrapper):
     else prepacked for fbgemm), ``fp32`` (an fp32 copy for oneDNN) or ``amx`` (the bf16 weight in our AMX kernel's
     panels), as :func:`pack_format` says or ``kind`` asks.
     A weight that fp16 does not hold exactly is ``bf16 panels`` where our kernel runs (its bf16 values in the same
-    panels: the same row-invariant sums, selfspec.kernels.fp16), else ``fp32``.
-    Without its dense weight (:meth:`drop_dense`) it always computes on the packed one.
+    panels: the same row-invariant sums), else ``fp32``. Without its dense weight it computes on the packed one.
     """
 
     def __init__(self, inner: nn.Linear, pinned: bool = False, kind: str | None = None) -> None:
@@ -219,8 +218,7 @@ class PackedLinear(LinearWrapper):
         elif self.panels:
             self.packed = fp16.pack(w, torch.bfloat16 if self.kind == "bf16 panels" else torch.float16)
         elif self.kind == "fp16":  # fbgemm keeps the bias in the packed object
-            bias = inner.bias
-            self.packed = torch.ops.quantized.linear_prepack_fp16(wide, None if bias is None else bias.detach().float())
+            self.packed = torch.ops.quantized.linear_prepack_fp16(wide, self.bias32)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w if wide is None else wide, 1)
         # bf16: the width each product runs at so that its rows get the bits they get in any other (widths.py)
