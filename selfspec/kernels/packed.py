@@ -150,7 +150,7 @@ PACK_KINDS = tuple(k for k in KERNELS if k)
 # on a 2-core Zen 3, scripts/verify_width.py: stock 1.75x a one-row step at 2 rows, the copies 2.01x; docs/log.md)
 FP32_MIN_ROWS = 3
 # our kernels where oneDNN packs bf16 (AMX): a prefill's products (this many rows or more, above any verify's) run on
-# the dense weight's stock kernel, whose AMX tiles are far faster there (docs/kernels.md); verifies stay on the panels
+# the dense weight's stock kernel, oneDNN's, faster there (docs/kernels.md); verifies stay on our kernels
 PREFILL_MIN_ROWS = 64
 
 
@@ -161,8 +161,8 @@ def kernels_label(packed: bool, kind: str | None = None) -> str:
     if not packed:
         return "stock"
     if kind not in (None, pack_format()):
-        kernel = amx.label() if kind == "amx" else fp16.label() if kind == "fp16" and fp16.available() else None
-        return KERNELS[kind] if kernel is None else f"packed {kind} {kernel}".replace("amx amx", "amx")
+        return f"packed {amx.label()}" if kind == "amx" else (
+            f"packed fp16 {fp16.label()}" if kind == "fp16" and fp16.available() else KERNELS[kind])
     label = pack_label()
     return KERNELS[pack_format()] if label == pack_format() else f"packed {label}"
 

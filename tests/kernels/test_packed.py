@@ -252,6 +252,8 @@ def test_a_cpu_with_amx_packs_the_full_model_for_our_amx_kernel_where_it_runs(mo
     try:
         assert packed_module.pack_format() == want
         assert (packed_module.pack_label() == amx.label()) == (want == "amx")
+        assert packed_module.kernels_label(True, "amx") == f"packed {amx.label()}"  # asked for, whatever the CPU's
+        assert packed_module.kernels_label(True, "fp32") == "packed fp32" and packed_module.kernels_label(False) == "stock"
         monkeypatch.setenv(packed_module.PACK_ENV, "int4")
         packed_module.pack_format.cache_clear()
         with pytest.raises(SelfSpecError, match="SELFSPEC_PACK=int4: bf16"):
