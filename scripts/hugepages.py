@@ -65,7 +65,7 @@ class Instance:
             m = self.lm.model
             if kind:
                 weight_packer(m, kind=kind)
-            self.kernels = kernels_label(True) if kind is None else kernels_label(True, kind)
+            self.kernels = kernels_label(True, kind)  # what its full model computes on
             self.path = DraftPath(m, spec.plan, spec.options, stop_ids=self.lm.eos_ids)
             self.k = spec.k
             prompt = calibration_prompts(self.lm.tokenizer, [dataset], 1)[0]
@@ -140,15 +140,15 @@ def main() -> None:
     draft = args.draft or f"results/plans/{args.model}-default.json"
     spec = DraftSpec.load(draft)
     machine, commit = machine_fingerprint(), git_commit()
-    before = huge_bytes()
     if args.kernels:
         inst = {kind: Instance(args.model, args.dataset, spec, huge=True, kind=kind) for kind in args.kernels}
+        what = {"kernels": {n: i.kernels for n, i in inst.items()}}
     else:
+        before = huge_bytes()
         inst = {"4 KiB pages": Instance(args.model, args.dataset, spec, huge=False)}
-    mid = huge_bytes()
-    if not args.kernels:
+        mid = huge_bytes()
         inst["huge pages"] = Instance(args.model, args.dataset, spec, huge=True)
-    on_huge = {"4 KiB pages": mid - before, "huge pages": huge_bytes() - mid}
+        what = {"huge_page_bytes": {"4 KiB pages": mid - before, "huge pages": huge_bytes() - mid}}
     clock = Clock()
     names = list(inst)
     times = {n: {kind: [] for kind in KINDS} for n in names}
@@ -164,7 +164,7 @@ def main() -> None:
     rounds = {n: round(round_in_plain_steps(med[n], spec.k), 3) for n in names}
     over = "over_first" if args.kernels else "huge_over_4k"
     res = {"model": args.model, "draft": draft, "k": spec.k, "context_tokens": inst[a].p, "reps": args.reps,
-           **({"kernels": {n: inst[n].kernels for n in names}} if args.kernels else {"huge_page_bytes": on_huge}),
+           **what,
            "median_ms": {n: {kind: round(1e3 * v, 2) for kind, v in per.items()} for n, per in med.items()},
            over: {kind: v[0] for kind, v in paired.items()},
            f"{over}_interval": {kind: v[1:] for kind, v in paired.items()}, "round_in_plain_steps": rounds,

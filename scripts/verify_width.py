@@ -36,13 +36,9 @@ KINDS = {"packed": None, "onednn": "bf16", "panels": "fp16", "amx": "amx", "stoc
 
 
 def kernel_name(kernels: str) -> str:
-    if kernels == "panels":
-        return f"packed fp16 {fp16.label()}"
     if kernels == "onednn":
-        return "packed bf16"
-    if kernels == "amx":
-        return f"packed {amx.label()}"
-    return kernels_label(kernels == "packed")
+        return "packed bf16"  # the name its rows have carried (kernels_label's is "packed")
+    return kernels_label(kernels != "stock", KINDS[kernels])
 
 
 def time_turn(model, cache, ctx, prompt_len, configs, trees, clock) -> dict[str, float]:

@@ -136,8 +136,6 @@ at::Tensor amx_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   });
   return out;
 }
-
-bool amx_permitted() { return permitted(); }
 }  // namespace
 
 TORCH_LIBRARY(selfspec_amx, m) {
@@ -145,4 +143,4 @@ TORCH_LIBRARY(selfspec_amx, m) {
   m.def("permitted() -> bool");
 }
 TORCH_LIBRARY_IMPL(selfspec_amx, CPU, m) { m.impl("amx_mm", &amx_mm); }
-TORCH_LIBRARY_IMPL(selfspec_amx, CatchAll, m) { m.impl("permitted", &amx_permitted); }
+TORCH_LIBRARY_IMPL(selfspec_amx, CatchAll, m) { m.impl("permitted", &permitted); }
