@@ -149,8 +149,11 @@ def test_linear_bench_times_the_packed_products_from_memory_and_from_cache(tmp_p
     assert row["machine"]["cpu"] and row["resident_mb"] == 4.5 and set(row["rows"]) == {"1", "6"}
     for r in row["rows"].values():
         assert r["packed_gb_s"] > 0 and r["packed_resident_gb_s"] > 0
-        # the ratio of the two times, which the rates (rounded to 0.1 GB/s) give back to within their rounding
-        assert abs(r["compute_over_memory"] - r["packed_resident_gb_s"] / r["packed_gb_s"]) < 0.05
+        # the ratio of the two times (rounded to 0.01), which the rates (each rounded to 0.1 GB/s) give back to within
+        # their rounding: between the extremes of their rounding intervals (on a busy machine a rate of 0.9 GB/s
+        # leaves the ratio +-6%, which no fixed tolerance on it covers)
+        cache, memory = r["packed_resident_gb_s"], r["packed_gb_s"]
+        assert (cache - 0.05) / (memory + 0.05) - 0.005 <= r["compute_over_memory"] <= (cache + 0.05) / (memory - 0.05) + 0.005
 
 
 def test_roofline_sets_each_product_against_the_machine_s_limits(tmp_path):
