@@ -28,7 +28,7 @@ take the bf16 weights' memory again. Without fbgemm (``fp32``) every weight gets
 :data:`FP32_MIN_ROWS` rows or more, at twice the bf16 weights' memory. Each method records which kernels it ran on
 (``kernels``), and a line on stderr says so once. On a CPU with AMX (a Xeon) the bf16 weights go into our AMX kernel's
 panels (``amx``, :mod:`selfspec.kernels.amx`), or where it does not run get fp16 copies on our fp16 kernel's AVX-512
-build; a prefill's products stay on oneDNN (:data:`PREFILL_MIN_ROWS`). ``SELFSPEC_PACK=bf16|fp16|amx`` asks for one.
+build; a prefill's products go to oneDNN (:data:`PREFILL_MIN_ROWS`). ``SELFSPEC_PACK=bf16|fp16|amx`` asks for one.
 
 ``keep_dense=False`` frees the dense weights once packed; only the packed copies of weights that must stay dense are
 then extra: a weight shared with another module (tied embeddings) and the LM head's, whose rows the draft's cut head
@@ -149,9 +149,8 @@ PACK_KINDS = tuple(k for k in KERNELS if k)
 # fp32 copies serve inputs of this many rows or more; fewer go through the stock bf16 kernel, faster there (the 1.5B
 # on a 2-core Zen 3, scripts/verify_width.py: stock 1.75x a one-row step at 2 rows, the copies 2.01x; docs/log.md)
 FP32_MIN_ROWS = 3
-# our kernels where oneDNN packs bf16 (AMX): a prefill's products (this many rows or more, above any verify's) run on
-# the dense weight's stock kernel, oneDNN's, faster there (docs/kernels.md); verifies stay on our kernels
-PREFILL_MIN_ROWS = 64
+# our kernels' products of this many rows or more (prefills) run on oneDNN's stock kernel, faster there (docs/kernels.md)
+PREFILL_MIN_ROWS = {"fp16": 64, "amx": 1024}
 
 
 def kernels_label(packed: bool, kind: str | None = None) -> str:
@@ -209,7 +208,8 @@ class PackedLinear(LinearWrapper):
         wide = w.float() if self.kind in ("fp16", "fp32") else None  # converted once: the 1.5B's head is 0.9 GB in fp32
         # our kernel's layout (selfspec.kernels.fp16): this CPU's fp16 kernel, or ours where fp16 is asked for
         self.panels = self.kind == "fp16" and (fp16.available() if kind else fp16_kernel() != "fbgemm")
-        self.stock_wide = (self.panels or self.kind == "amx") and packing_supported()  # prefills: the stock kernel
+        self.stock_from = PREFILL_MIN_ROWS["amx" if self.kind == "amx" else "fp16"] if (  # prefills: stock kernel
+            self.panels or self.kind == "amx") and packing_supported() else None
         if self.kind == "fp16" and not torch.equal(w.half().float(), wide):
             self.kind = "bf16 panels" if self.panels else "fp32"
         self.bias32 = None if inner.bias is None else inner.bias.detach().float().contiguous()
@@ -265,7 +265,7 @@ class PackedLinear(LinearWrapper):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active and self.dense:
             return self.inner(x)
-        if self.stock_wide and self.dense and x.numel() >= PREFILL_MIN_ROWS * x.shape[-1]:
+        if self.stock_from and self.dense and x.numel() >= self.stock_from * x.shape[-1]:
             return self.inner(x)  # a prefill's rows, where oneDNN packs bf16: its kernel (AMX tiles) is faster
         if self.kind == "amx":
             return amx.linear(x, self.packed, self.bias32, self.out_features)

@@ -45,6 +45,21 @@ def test_products_match_fp64_and_round_once_to_bf16(rows, n, k, bias):
     assert torch.all((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * k ** 0.5)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 20, 37])
+def test_each_output_is_its_fp32_sum_plus_bias_rounded_once_to_nearest_even(rows):
+    """The vector epilogue rounds as torch's bf16 conversion does: with weights of one nonzero input the fp32 sum is
+    exact, so the output must be bf16(x * w + bias) bit for bit; a NaN input gives NaNs (their bits may differ)."""
+    n, k = 37, 64
+    w = torch.zeros(n, k, dtype=torch.bfloat16)
+    w[:, 5] = torch.randn(n, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    x[0, 5] = float("nan")
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(10))
+    want = (x[:, 5:6].float() * w[:, 5].float() + bias).to(torch.bfloat16)  # one product: exact in fp32
+    got = amx.linear(x, amx.pack(w), bias, n)
+    assert got[0].isnan().all() and torch.equal(got[1:].view(torch.int16), want[1:].view(torch.int16))
+
+
 def test_shapes_that_do_not_fit_are_refused():
     w = amx.pack(_weight(20, 64, 0))
     with pytest.raises(RuntimeError, match="rounded up to 32"):
@@ -60,11 +75,11 @@ def test_shapes_that_do_not_fit_are_refused():
 @pytest.mark.parametrize("n, k", [(40, 300), (256, 1536), (72, 8960)])
 def test_every_row_computes_the_same_bits_whatever_the_call_s_row_count(n, k):
     """Row-invariance, which exact greedy verifies rest on: row i of an m-row call equals a one-row call on it, for
-    calls within one tile's 16 rows and beyond them."""
+    calls within one tile's 16 rows and beyond them (two row blocks at a time: 17-32 rows, and a block left over)."""
     panels = amx.pack(_weight(n, k, 5))
-    x = torch.randn(20, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    ones = [amx.linear(x[i:i + 1], panels, None, n) for i in range(20)]
-    for rows in (*range(1, 17), 18, 20):
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    ones = [amx.linear(x[i:i + 1], panels, None, n) for i in range(40)]
+    for rows in (*range(1, 17), 18, 20, 31, 32, 33, 40):
         got = amx.linear(x[:rows], panels, None, n)
         assert all(torch.equal(got[i:i + 1], ones[i]) for i in range(rows)), rows
     got = amx.linear(x[3:10], panels, None, n)  # and wherever the row sits in the call
@@ -82,6 +97,22 @@ def test_a_linear_packed_for_amx_computes_on_its_panels_and_gives_its_weight_bac
     assert torch.equal(packed(x), want)
     packed.drop_dense()
     assert torch.equal(packed.weight, weight) and torch.equal(packed(x), want) and packed.extra_bytes == 0
+
+
+def test_a_prefill_runs_on_the_tiles_up_to_its_threshold_and_on_the_stock_kernel_from_it():
+    from selfspec.kernels import packed as packed_module
+
+    lin = PackedLinear(torch.nn.Linear(64, 40).to(torch.bfloat16), kind="amx")
+    if not packed_module.packing_supported():
+        pytest.skip("oneDNN does not pack bf16 here: every row count runs on the tiles")
+    assert lin.stock_from == packed_module.PREFILL_MIN_ROWS["amx"] > 64
+    lin.active = True
+    bias = lin.inner.bias.detach().float()
+    with torch.inference_mode():
+        wide = torch.randn(lin.stock_from, 64).to(torch.bfloat16)
+        assert torch.equal(lin(wide), lin.inner(wide))  # the stock kernel's bits
+        prompt = wide[:300]  # a prompt of a few hundred tokens: on the tiles
+        assert torch.equal(lin(prompt), amx.linear(prompt, lin.packed, bias, 40))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -414,12 +414,12 @@ def test_fp16_panels_where_onednn_packs_bf16_leave_a_prefill_s_rows_to_the_stock
         pytest.skip(f"our fp16 kernel does not run here: {fp16.unavailable_reason()}")
     torch.manual_seed(0)
     lin = PackedLinear(torch.nn.Linear(64, 40).to(torch.bfloat16), kind="fp16")
-    assert lin.panels and lin.stock_wide
+    assert lin.panels and lin.stock_from == packed_module.PREFILL_MIN_ROWS["fp16"]
     lin.active = True
     with torch.inference_mode():
-        wide = torch.randn(packed_module.PREFILL_MIN_ROWS, 64, dtype=torch.bfloat16)
+        wide = torch.randn(lin.stock_from, 64, dtype=torch.bfloat16)
         assert torch.equal(lin(wide), lin.inner(wide))  # the stock kernel's bits
-        narrow = wide[:packed_module.PREFILL_MIN_ROWS - 1]  # a verify's rows: each as a one-row step computes it
+        narrow = wide[:lin.stock_from - 1]  # a verify's rows: each as a one-row step computes it
         got = lin(narrow)
         assert all(torch.equal(got[i:i + 1], lin(narrow[i:i + 1])) for i in range(0, len(narrow), 7))
         lin.drop_dense()
