@@ -5,13 +5,13 @@
 
 On the packed weights decoding uses (``stock``: the weights as loaded; ``onednn``: bf16 packed for oneDNN;
 ``panels``: exact fp16 copies on our fp16 panel kernel; ``amx``: the bf16 weights on our AMX tile kernel; any of them
-whatever this CPU's own packing is), after a prefill
-of one calibration prompt, times a forward over ``m`` tokens at the end of the context for each width, round-robin
-(so load changes hit all widths alike), with a chain mask (the model's own causal mask) and, for widths >= 3, with a
-draft tree's mask (a star: every node a child of the first), which is what a tree verify adds. With more than one of
-``--kernels``, each has a model instance of its own, timed in the same rotation (each turn after an untimed
-forward), and ``over_first_kernel`` gives each width's median over the first kernel's. Prints and appends one JSON
-line (medians, and the ratio to the one-token forward) to --out.
+whatever this CPU's own packing is), after a prefill of one calibration prompt, times a forward over ``m`` tokens at
+the end of the context for each width (the prompt's tokens, again past its length), round-robin (so load changes hit
+all widths alike), with a chain mask (the model's own causal mask) and, for widths >= 3, with a draft tree's mask (a
+star: every node a child of the first), which is what a tree verify adds. With more than one of ``--kernels``, each
+has a model instance of its own, timed in the same rotation (each turn after an untimed forward), and
+``over_first_kernel`` gives each width's median over the first kernel's. Prints and appends one JSON line (medians,
+and the ratio to the one-token forward) to --out.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def main() -> None:
     prompt = calibration_prompts(lm.tokenizer, ["humaneval"], 1)[0]
     ctx = torch.tensor(prompt, dtype=torch.long)
     widest = max(args.widths)
+    feed = ctx.repeat(-(-widest // len(prompt)))  # the forwards' tokens: the prompt again, for widths beyond it
     caches = {k: PositionalKVCache(lm.model, max_len=len(prompt) + widest) for k, lm in models.items()}
     clock = Clock()
     trees = {}
@@ -103,7 +104,7 @@ def main() -> None:
         for rep in range(args.reps + 1):
             for k in kernels[rep % len(kernels):] + kernels[:rep % len(kernels)]:
                 with packed_weights(models[k].model, on=k != "stock"):
-                    turn = time_turn(models[k].model, caches[k], ctx, len(prompt), configs, trees, clock)
+                    turn = time_turn(models[k].model, caches[k], feed, len(prompt), configs, trees, clock)
                 if rep:  # repetition 0 is the warm-up
                     for name, dt in turn.items():
                         times[k][name].append(dt)
