@@ -208,8 +208,8 @@ class PackedLinear(LinearWrapper):
         wide = w.float() if self.kind in ("fp16", "fp32") else None  # converted once: the 1.5B's head is 0.9 GB in fp32
         # our kernel's layout (selfspec.kernels.fp16): this CPU's fp16 kernel, or ours where fp16 is asked for
         self.panels = self.kind == "fp16" and (fp16.available() if kind else fp16_kernel() != "fbgemm")
-        self.stock_from = PREFILL_MIN_ROWS["amx" if self.kind == "amx" else "fp16"] if (  # prefills: stock kernel
-            self.panels or self.kind == "amx") and packing_supported() else None
+        # prefills: oneDNN's stock kernel from these rows, where it packs bf16 (self.kind is "fp16" or "amx" here)
+        self.stock_from = PREFILL_MIN_ROWS[self.kind] if (self.panels or self.kind == "amx") and packing_supported() else None
         if self.kind == "fp16" and not torch.equal(w.half().float(), wide):
             self.kind = "bf16 panels" if self.panels else "fp32"
         self.bias32 = None if inner.bias is None else inner.bias.detach().float().contiguous()
@@ -266,7 +266,7 @@ class PackedLinear(LinearWrapper):
         if not self.active and self.dense:
             return self.inner(x)
         if self.stock_from and self.dense and x.numel() >= self.stock_from * x.shape[-1]:
-            return self.inner(x)  # a prefill's rows, where oneDNN packs bf16: its kernel (AMX tiles) is faster
+            return self.inner(x)  # a prefill's rows, where oneDNN packs bf16: its kernel is faster there
         if self.kind == "amx":
             return amx.linear(x, self.packed, self.bias32, self.out_features)
         if self.panels:

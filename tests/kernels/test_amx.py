@@ -47,8 +47,8 @@ def test_products_match_fp64_and_round_once_to_bf16(rows, n, k, bias):
 
 @pytest.mark.parametrize("rows", [1, 7, 20, 37])
 def test_each_output_is_its_fp32_sum_plus_bias_rounded_once_to_nearest_even(rows):
-    """The vector epilogue rounds as torch's bf16 conversion does: with weights of one nonzero input the fp32 sum is
-    exact, so the output must be bf16(x * w + bias) bit for bit; a NaN input gives NaNs (their bits may differ)."""
+    """Each output is rounded once to bf16 as torch's conversion rounds: with weights of one nonzero input the fp32 sum
+    is exact, so the output must be bf16(x * w + bias) bit for bit; a NaN input gives NaNs (their bits may differ)."""
     n, k = 37, 64
     w = torch.zeros(n, k, dtype=torch.bfloat16)
     w[:, 5] = torch.randn(n, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
@@ -75,7 +75,7 @@ def test_shapes_that_do_not_fit_are_refused():
 @pytest.mark.parametrize("n, k", [(40, 300), (256, 1536), (72, 8960)])
 def test_every_row_computes_the_same_bits_whatever_the_call_s_row_count(n, k):
     """Row-invariance, which exact greedy verifies rest on: row i of an m-row call equals a one-row call on it, for
-    calls within one tile's 16 rows and beyond them (two row blocks at a time: 17-32 rows, and a block left over)."""
+    calls within one tile's 16 rows and beyond them (16 rows a block: 17-40 rows, full blocks and partial ones)."""
     panels = amx.pack(_weight(n, k, 5))
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     ones = [amx.linear(x[i:i + 1], panels, None, n) for i in range(40)]
@@ -107,12 +107,11 @@ def test_a_prefill_runs_on_the_tiles_up_to_its_threshold_and_on_the_stock_kernel
         pytest.skip("oneDNN does not pack bf16 here: every row count runs on the tiles")
     assert lin.stock_from == packed_module.PREFILL_MIN_ROWS["amx"] > 64
     lin.active = True
-    bias = lin.inner.bias.detach().float()
     with torch.inference_mode():
         wide = torch.randn(lin.stock_from, 64).to(torch.bfloat16)
         assert torch.equal(lin(wide), lin.inner(wide))  # the stock kernel's bits
         prompt = wide[:300]  # a prompt of a few hundred tokens: on the tiles
-        assert torch.equal(lin(prompt), amx.linear(prompt, lin.packed, bias, 40))
+        assert torch.equal(lin(prompt), amx.linear(prompt, lin.packed, lin.bias32, 40))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
