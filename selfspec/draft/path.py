@@ -62,6 +62,7 @@ HEAD_IDS = ("lowest", "frequent")  # a cut head's base ids (head_ids)
 DEFAULT_K = 4  # draft tokens per round
 DEFAULT_ADAPTIVE = False  # the adaptive exit: stop drafting after a token the draft is unsure of
 DEFAULT_THRESHOLD = 0.5  # the adaptive exit's starting threshold
+DEFAULT_K_MAX = 0  # a model draft grows past k, one token after each round accepted whole, up to this (0: no growth)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 A self-draft is the skip plan (which attention and MLP sublayers the draft
 skips), the draft options (precision of the kept weights, the draft head, copy
 drafting: :class:`~selfspec.draft.path.DraftOptions`) and the draft-length
-policy (``k`` tokens per round, or the adaptive exit with its threshold). The
+policy (``k`` tokens per round, growing up to ``k_max`` while rounds are accepted whole, or the adaptive exit
+with its threshold). The
 file format ``selfspec.draft/2`` stores all of it as fields, plus what was
 measured and where (``measured``, ``provenance``: machine, versions, commit).
 Files of the older format ``selfspec.skip_plan/1`` (a skip plan alone, ``k`` in
@@ -17,14 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from selfspec.draft.path import DEFAULT_ADAPTIVE, DEFAULT_K, DEFAULT_THRESHOLD, DraftOptions
+from selfspec.draft.path import DEFAULT_ADAPTIVE, DEFAULT_K, DEFAULT_K_MAX, DEFAULT_THRESHOLD, DraftOptions
 from selfspec.errors import PlanError, SelfSpecError
 from selfspec.model.plan import PLAN_FORMAT, SkipPlan, read_json, write_json
 
 DRAFT_FORMAT = "selfspec.draft/2"
 DRAFT_KEYS = frozenset({"format", "model", "num_layers", "attn", "mlp", "options", "k", "adaptive", "threshold",
-                        "measured", "provenance"})  # the fields of a draft file (DraftSpec.to_dict)
-LENGTH = ("k", "adaptive", "threshold")  # the draft-length policy: a draft file's, a run's decoding settings override it
+                        "k_max", "measured", "provenance"})  # the fields of a draft file (DraftSpec.to_dict)
+LENGTH = ("k", "adaptive", "threshold", "k_max")  # the draft-length policy: a draft file's, a run's decoding settings override it
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class DraftSpec:
     k: int = DEFAULT_K
     adaptive: bool = DEFAULT_ADAPTIVE
     threshold: float = DEFAULT_THRESHOLD
+    k_max: int = DEFAULT_K_MAX
     measured: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -43,6 +45,8 @@ class DraftSpec:
             raise PlanError(f"adaptive must be true or false, got {self.adaptive!r}")
         if not isinstance(self.threshold, (int, float)) or not 0.0 <= self.threshold < 1.0:
             raise PlanError(f"threshold must be a number in [0, 1), got {self.threshold!r}")
+        if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 0:
+            raise PlanError(f"k_max must be an integer >= 0 (0: no growth), got {self.k_max!r}")
 
     @property
     def length(self) -> dict[str, Any]:
@@ -73,6 +77,8 @@ class DraftSpec:
             key += (("head_rescore", o.head_rescore),)
         if o.head_ids != "lowest":
             key += (("head_ids", o.head_ids),)
+        if self.k_max > self.k:
+            key += (("k_max", self.k_max),)
         return key
 
     def describe(self) -> str:
@@ -97,7 +103,8 @@ class DraftSpec:
             tree += [f"branch below {o.branch_below:.2f}"] if o.branch_below else []
             tree += [f"{o.copy_fallback}-gram copies beside the model draft"] if o.copy_fallback else []
             parts.append(f"tree ({', '.join(tree)}, <= {o.tree_nodes} nodes)")
-        parts.append(f"k={self.k}" + (f" adaptive {self.threshold:.2f}" if self.adaptive else ""))
+        parts.append(f"k={self.k}" + (f" growing to {self.k_max}" if self.k_max > self.k else "")
+                     + (f" adaptive {self.threshold:.2f}" if self.adaptive else ""))
         return ", ".join(parts)
 
     def replace(self, **changes) -> DraftSpec:
@@ -115,6 +122,7 @@ class DraftSpec:
             "k": self.k,
             "adaptive": self.adaptive,
             "threshold": self.threshold,
+            **({"k_max": self.k_max} if self.k_max else {}),
             "measured": self.measured,
             "provenance": self.plan.provenance,
         }
@@ -147,7 +155,8 @@ class DraftSpec:
         try:
             plan = SkipPlan.from_dict({**data, "format": PLAN_FORMAT, "provenance": provenance})
             return cls(plan, DraftOptions(**options), k=data.get("k", cls.k), adaptive=data.get("adaptive", cls.adaptive),
-                       threshold=data.get("threshold", cls.threshold), measured=dict(data.get("measured") or {}))
+                       threshold=data.get("threshold", cls.threshold),
+                       k_max=data.get("k_max", cls.k_max), measured=dict(data.get("measured") or {}))
         except TypeError as e:
             raise PlanError(f"{where}: {e}") from None
         except SelfSpecError as e:

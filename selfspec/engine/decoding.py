@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.draft.fused import draft_step
-from selfspec.draft.path import DEFAULT_ADAPTIVE, DEFAULT_K, DEFAULT_THRESHOLD
+from selfspec.draft.path import DEFAULT_ADAPTIVE, DEFAULT_K, DEFAULT_K_MAX, DEFAULT_THRESHOLD
 from selfspec.engine.attention import ATTENTION, REAL_ROWS, ROW_INVARIANT, decode_attention
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.sampling import (
@@ -43,6 +43,10 @@ from selfspec.kernels.packed import default_rows, packed_weights
 @dataclass(frozen=True)
 class DecodeConfig:
     """How to decode. ``k`` is the (maximum) number of drafted tokens per round.
+
+    Growing drafts (``k_max`` > ``k``): a model draft one token longer after each model-drafted round
+    that drafted its full length and had every draft accepted, up to ``k_max``; ``k`` again after any other model
+    round. Copies keep ``k``'s limits. The rule sees only past rounds, so outputs are unchanged.
 
     Adaptive draft exit (Draft & Verify): drafting stops after a token whose
     draft probability is below ``threshold``; after each round the threshold
@@ -91,6 +95,7 @@ class DecodeConfig:
     k: int = DEFAULT_K
     adaptive: bool = DEFAULT_ADAPTIVE
     threshold: float = DEFAULT_THRESHOLD
+    k_max: int = DEFAULT_K_MAX
     threshold_step: float = 0.05
     target_acceptance: float = 0.7
     fallback: bool = True
@@ -108,6 +113,9 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise SelfSpecError(f"k (draft tokens per round) must be an integer >= 1, got {self.k!r}")
+        if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 0:
+            raise SelfSpecError(f"k_max (the longest a growing model draft gets) must be an integer >= 0, "
+                                f"got {self.k_max!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise SelfSpecError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if not 0.0 <= self.threshold < 1.0:

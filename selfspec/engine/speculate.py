@@ -49,6 +49,24 @@ class AdaptiveThreshold:
             self.value = min(0.99, max(0.0, self.value + (self.step if up else -self.step)))
 
 
+class DraftLength:
+    """How many tokens the next model draft may make: ``k``, or, with ``k_max`` above it, one more after each
+    model-drafted round that drafted that many and had all of them accepted (up to ``k_max``) and ``k`` again after
+    any other model round. Long drafts pay where the draft stays right over many tokens (a verify checks 9 tokens
+    for about what it costs to check 7); the rule finds such stretches from the request's own rounds. The decoding
+    loop and the search's round simulator (:mod:`selfspec.search.simulate`) both use this one rule."""
+
+    def __init__(self, cfg: DecodeConfig) -> None:
+        self.base, self.top = cfg.k, max(cfg.k, cfg.k_max)
+        self.value = cfg.k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """After a model-drafted round: ``drafted`` tokens drafted, the first ``accepted`` of them accepted."""
+        if self.top > self.base:
+            whole = drafted == accepted == self.value
+            self.value = min(self.value + 1, self.top) if whole else self.base
+
+
 class Speculator:
     """Draft / verify rounds on top of a :class:`Request`."""
 
@@ -59,10 +77,12 @@ class Speculator:
         opts = path.options
         self.ngram = NGramIndex(opts.ngram, opts.min_ngram or None, opts.copy_per_match) if opts.ngram else None
         self.threshold = AdaptiveThreshold(self.cfg)
+        self.length = DraftLength(self.cfg)
         self.tree = path.options.tree
         fallback = path.options.copy_fallback
         self.fallback = NGramIndex(fallback) if fallback and self.tree else None  # shorter matches, in trees
         self.alternates: list[tuple[int, int]] = []  # (draft index, 2nd-best token) of the last model draft
+        self.drafted = 0  # tokens the last model draft made
         self.ema_tokens: float | None = None
         self.ema_verify: float | None = None
         self.ema_round: float | None = None
@@ -126,6 +146,7 @@ class Speculator:
                 drafts.append(x)
                 if self.threshold.stops_after(conf):
                     break
+        self.drafted = len(drafts)
         return drafts, qs
 
     def verify(self, drafts: list[int], qs: list[torch.Tensor]) -> tuple[int, int]:
@@ -157,7 +178,7 @@ class Speculator:
             return tree
         if not self.model_draft_pays():
             return None
-        drafts, qs = self.draft(k)
+        drafts, qs = self.draft(min(self.length.value, room))
         nodes = tree.add_path(drafts, "model", proposals=qs)
         for j, alt in self.alternates:
             if j <= len(nodes):
@@ -217,6 +238,7 @@ class Speculator:
         stats.record_tokens(len(kept), t2 - t0)
         self.adapt(tree.max_depth, n, t2 - t1, t2 - t0)
         if stats.copy_rounds == copies:  # drafted by the model
+            self.length.update(self.drafted, n)
             self.model_round_done(n + 1, t2 - t0)
 
     def model_draft_pays(self) -> bool:
@@ -264,7 +286,7 @@ class Speculator:
             self.gated_step()
             return
         else:
-            drafts, qs = self.draft(k)
+            drafts, qs = self.draft(min(self.length.value, room))
         t1 = run.clock.now()
         n, nxt = self.verify(drafts, qs)
         run.pos += n + 1
@@ -277,6 +299,7 @@ class Speculator:
         stats.record_tokens(len(kept), t2 - t0)
         self.adapt(len(drafts), n, t2 - t1, t2 - t0)
         if not copied:
+            self.length.update(len(drafts), n)
             self.model_round_done(n + 1, t2 - t0)
 
     def adapt(self, drafted: int, accepted: int, verify_time: float, round_time: float) -> None:
@@ -311,7 +334,7 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
     elif draft.plan != plan or draft.model is not model:
         raise SelfSpecError("the draft path was built for another plan or model")
     opts = draft.options
-    longest = opts.longest_verify(cfg.k)
+    longest = opts.longest_verify(max(cfg.k, cfg.k_max))
     run = Request(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
     spec = Speculator(run, draft)
     with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only), \

@@ -3,7 +3,7 @@
     selfspec-inspect tree-bound results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v8.db \
         --draft results/plans/qwen2.5-coder-1.5b-default.json [--tokens 128] \
         [--groups humaneval gsm8k mtbench summarization] [--branch 0.3 0.6 0.99] [--nodes 8 12] \
-        [--k 3 4 6 8 10] [--adaptive 0.2 0.4 0.6] [--dtype bfloat16] [--out results/tree_bound.jsonl]
+        [--k 3 4 6 8 10] [--adaptive 0.2 0.4 0.6] [--grow 8 10] [--dtype bfloat16] [--out results/tree_bound.jsonl]
 
 Decodes the study's calibration prompts with our AR (``--tokens`` each) and simulates the draft's rounds on those
 continuations (:mod:`selfspec.search.simulate`, exact for greedy decoding):
@@ -20,7 +20,10 @@ continuations (:mod:`selfspec.search.simulate`, exact for greedy decoding):
   bounds the speed of every such tree over this draft (copy rounds as the chain's);
 - ``adaptive k=K/t`` for the draft's own depth and every ``--k``, and every ``--adaptive`` threshold ``t``: the draft
   as found, drafting up to ``K`` tokens and stopping after one drafted with probability under ``t`` (the adaptive
-  exit, its threshold moving as decoding runs it).
+  exit, its threshold moving as decoding runs it);
+- ``grow k=K`` for every ``--grow`` above the draft's depth: the draft as found, its model drafts one token longer
+  after each round that drafted its full length and had it all accepted, up to ``K``, back to its own depth after
+  any other (``k_max``, :class:`~selfspec.engine.speculate.DraftLength`).
 
 Every variant is priced by a cost model measured now, on the kernels checked out (a tree of ``n`` nodes verifies
 ``n + 1`` rows; the oracle is priced as the chain, so its price is a bound too). Prints, per group of prompts and
@@ -48,9 +51,9 @@ ORACLE = "oracle"
 
 
 def variants(spec: DraftSpec, branches: list[float], nodes: list[int], ks: list[int],
-             thresholds: list[float] = ()) -> dict[str, DraftSpec]:
-    """The chain, the draft as found, its trees, the chain at other depths and the draft with an adaptive exit at
-    each depth, by name (the oracles are chains)."""
+             thresholds: list[float] = (), grow: list[int] = ()) -> dict[str, DraftSpec]:
+    """The chain, the draft as found, its trees, the chain at other depths, the draft with an adaptive exit at
+    each depth and the draft growing to each of ``grow``, by name (the oracles are chains)."""
     chain = replace(spec, options=replace(spec.options, copy_candidates=1, branch_below=0.0))
     out = {"chain": chain, "as found": spec}
     for k in ks:
@@ -65,6 +68,9 @@ def variants(spec: DraftSpec, branches: list[float], nodes: list[int], ks: list[
     for k in sorted({spec.k, *ks}):
         for t in thresholds:
             out[f"adaptive k={k}/{t:g}"] = replace(spec, k=k, adaptive=True, threshold=t)
+    for top in grow:
+        if top > spec.k:
+            out[f"grow k={spec.k}..{top}"] = replace(spec, k_max=top)
     return out
 
 
@@ -114,10 +120,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, nargs="*", default=[3, 4, 6, 8, 10], help="other depths for the chain and oracle")
     ap.add_argument("--adaptive", type=float, nargs="*", default=[0.2, 0.4, 0.6],
                     help="adaptive exit thresholds to simulate at the draft's depth and every --k (none: no such variants)")
+    ap.add_argument("--grow", type=int, nargs="*", default=[],
+                    help="longest growing model drafts (k_max) to simulate from the draft's depth (none: no such variants)")
     ap.add_argument("--out", default="results/tree_bound.jsonl")
     args = ap.parse_args(argv)
     name, lm, spec, prompts, groups = replayed(args)
-    drafts = variants(spec, args.branch, args.nodes, args.k, args.adaptive)
+    drafts = variants(spec, args.branch, args.nodes, args.k, args.adaptive, args.grow)
     oracles = {ORACLE: drafts["chain"]} | {n.replace("chain", ORACLE, 1): d for n, d in drafts.items()
                                            if n.startswith("chain k=")}
     conts = ar_continuations(lm, prompts, args.tokens)

@@ -15,7 +15,8 @@ loop runs it:
   chunk, exactly what the draft sees in a real round while it agrees with the
   target. Accepted = leading agreements; the adaptive exit stops the draft after
   the first token drafted with probability under the threshold, which moves by
-  the loop's own rule (:class:`~selfspec.engine.speculate.AdaptiveThreshold`).
+  the loop's own rule (:class:`~selfspec.engine.speculate.AdaptiveThreshold`); a growing draft's length
+  (``k_max``) moves by the loop's rule too (:class:`~selfspec.engine.speculate.DraftLength`).
   All prompts' pending model rounds run as one batched forward; each chunk sits in
   scratch slots past every prompt's context, so the saved full-model keys/values are
   never overwritten (:class:`ChunkCache`).
@@ -60,7 +61,7 @@ from selfspec.engine.attention import decode_attention
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.decoding import DecodeConfig, forward_at
 from selfspec.engine.masks import layer_masks
-from selfspec.engine.speculate import AdaptiveThreshold
+from selfspec.engine.speculate import AdaptiveThreshold, DraftLength
 from selfspec.engine.tree import DraftTree
 from selfspec.kernels.packed import packed_weights
 from selfspec.search.chunks import ChunkCache
@@ -256,6 +257,7 @@ class RoundSimulator:
         if L <= 1:
             return out
         threshold = AdaptiveThreshold(DecodeConfig(**spec.length))
+        length = DraftLength(DecodeConfig(**spec.length))
         opts = spec.options
         ngram = NGramIndex(opts.ngram, opts.min_ngram or None, opts.copy_per_match) if opts.ngram else None
         tree = opts.tree  # the search simulates greedy decoding, where trees are verified
@@ -286,6 +288,7 @@ class RoundSimulator:
                 else:
                     out.tree_rounds[(0, t.drafted)] += 1
             else:
+                k = min(length.value, room)  # a model draft's length (copies keep spec.k's limits)
                 copies = []
                 if fallback is not None:
                     fallback.extend(c[len(fallback.tokens) - P : i + 1])
@@ -302,6 +305,7 @@ class RoundSimulator:
                         drafted_out, c, i, k, threshold, branch, opts.tree_nodes, copies)
                 if oracle:
                     accepted = depth
+                length.update(modelled, accepted)
                 if nodes > modelled:
                     out.tree_rounds[(modelled, nodes)] += 1
                 else:

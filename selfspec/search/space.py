@@ -59,6 +59,7 @@ class DraftDims:
     head_weights: tuple[str, ...] = ("model", "int4")  # the draft head's rows: model | int8 | int4 (int4: group_size)
     head_rescore: tuple[int, ...] = (8,)  # a quantized head's top ids rescored on the model's rows (0 = off)
     k: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+    k_max: tuple[int, ...] = (0,)  # a model draft grows past k while rounds are accepted whole, up to this (0: never)
     adaptive: tuple[bool, ...] = (False, True)
     threshold: tuple[float, ...] = (0.2, 0.4, 0.6)
     ngram: tuple[int, ...] = (0, 2, 3, 4, 8)  # 8: the longest match of up to 8 tokens picks the occurrence (min_ngram)
@@ -83,7 +84,7 @@ class DraftDims:
         for name in ("k", "copy_candidates", "tree_nodes"):
             if min(getattr(self, name)) < 1:
                 raise SelfSpecError(f"search.space.{name} values must be >= 1")
-        for name in ("copy_per_match", "head_rescore"):
+        for name in ("copy_per_match", "head_rescore", "k_max"):
             if min(getattr(self, name)) < 0:
                 raise SelfSpecError(f"search.space.{name} values must be >= 0 (0: off)")
         if True not in self.model_draft and 0 in self.ngram:
@@ -96,7 +97,7 @@ class DraftDims:
         """The most tokens a verify forward of any draft in the space covers."""
         trees = max(self.copy_candidates) > 1 and max(self.ngram) or max(self.branch_below) > 0 \
             or max(self.copy_fallback) > 0
-        return max(max(self.k), max(self.copy_tokens) if max(self.ngram) else 0,
+        return max(max(self.k), max(self.k_max), max(self.copy_tokens) if max(self.ngram) else 0,
                    max(self.tree_nodes) if trees else 0) + 1
 
     def formats(self) -> list[DraftOptions]:
@@ -152,12 +153,13 @@ class SearchSpace:
         return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
                 "protect_first_last": self.protect_first_last,
                 # copy_fallback, min_ngram, copy_per_match, head_weights, model_draft, skipping, int4_fit,
-                # head_rescore and head_ids only when searched or set, so studies made before them still resume
+                # head_rescore, head_ids and k_max only when searched or set, so studies made before them still resume
                 "dims": {k: list(v) for k, v in asdict(self.dims).items()
                          if (k, v) not in (("copy_fallback", (0,)), ("min_ngram", (0,)), ("copy_per_match", (0,)),
                                            ("head_weights", ("model",)), ("model_draft", (True,)),
                                            ("skipping", (True,)), ("int4_fit", ("minmax",)),
-                                           ("head_rescore", (0,)), ("head_ids", ("lowest",)))}}
+                                           ("head_rescore", (0,)), ("head_ids", ("lowest",)),
+                                           ("k_max", (0,)))}}
 
     # -- params <-> drafts -------------------------------------------------------------
     def _option_dims(self) -> dict[str, tuple]:
@@ -166,7 +168,8 @@ class SearchSpace:
         skipping = tuple(v for v in d.skipping if v or not self.min_skipped) or (True,)
         return {"weights": d.weights, "group_size": d.group_size, "int4_fit": d.int4_fit, "head_tokens": d.head_tokens,
                 "head_ids": d.head_ids, "head_weights": d.head_weights, "head_rescore": d.head_rescore, "k": d.k,
-                "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram, "copy_tokens": d.copy_tokens,
+                "k_max": d.k_max, "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram,
+                "copy_tokens": d.copy_tokens,
                 "min_ngram": d.min_ngram, "copy_per_match": d.copy_per_match, "copy_candidates": d.copy_candidates,
                 "branch_below": d.branch_below,
                 "tree_nodes": d.tree_nodes,
@@ -178,7 +181,8 @@ class SearchSpace:
         o = spec.options
         values = {"weights": o.weights, "group_size": o.group_size, "int4_fit": o.int4_fit, "head_tokens": o.head_tokens,
                   "head_ids": o.head_ids, "head_weights": o.head_weights, "head_rescore": o.head_rescore, "k": spec.k,
-                  "adaptive": spec.adaptive, "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
+                  "k_max": spec.k_max if spec.k_max > spec.k else 0, "adaptive": spec.adaptive,
+                  "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
                   "min_ngram": o.min_ngram, "copy_per_match": o.copy_per_match, "copy_candidates": o.copy_candidates,
                   "branch_below": o.branch_below,
                   "tree_nodes": o.tree_nodes,
@@ -188,7 +192,7 @@ class SearchSpace:
                   "head_rescore": o.head_weights == "model", "head_ids": not o.head_tokens,
                   "copy_tokens": not o.ngram, "min_ngram": o.ngram < 2, "copy_per_match": not o.ngram,
                   "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2,
-                  "model_draft": not o.ngram}
+                  "model_draft": not o.ngram, "k_max": not o.model_draft}
         if not spec.plan.n_skipped and False not in self._option_dims()["skipping"]:
             unused["skipping"] = True  # the bits, all off, say it: a space that always skips still holds the draft
         if not o.model_draft:  # a copy-only draft has no model draft to shape
@@ -233,8 +237,10 @@ class SearchSpace:
                                model_draft=v["model_draft"] or not v["ngram"])
         if options.tree:  # a chain keeps the default budget: one draft, one spec
             options = replace(options, tree_nodes=v["tree_nodes"])
+        grows = v["k_max"] > v["k"] and options.model_draft  # a k_max at or under k is a fixed k
         return DraftSpec(SkipPlan(self.num_layers, attn=attn, mlp=mlp, model=model), options, k=v["k"],
-                         adaptive=v["adaptive"], threshold=v["threshold"] if v["adaptive"] else 0.5)
+                         adaptive=v["adaptive"], threshold=v["threshold"] if v["adaptive"] else 0.5,
+                         k_max=v["k_max"] if grows else 0)
 
     def anchors(self) -> list[DraftSpec]:
         """The :data:`ANCHORS` this space holds (each once), as drafts to enqueue first."""

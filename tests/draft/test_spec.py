@@ -32,6 +32,15 @@ def test_a_quantized_draft_head_round_trips_and_names_itself(tmp_path):
     assert DraftSpec.from_dict(old).options.head_weights == "model"
 
 
+def test_a_growing_draft_round_trips_and_is_another_draft(tmp_path):
+    grow = FULL.replace(k_max=8)
+    back = DraftSpec.load(grow.save(tmp_path / "d.json"))
+    assert back == grow and back.k_max == 8 and back.length["k_max"] == 8
+    assert back.key != FULL.key and "k=4 growing to 8" in back.describe()
+    assert "k_max" not in FULL.to_dict()  # a fixed k writes the file as before, and keeps its key
+    assert FULL.replace(k_max=4).key == FULL.key
+
+
 def test_an_older_skip_plan_file_loads_as_a_draft(tmp_path):
     path = SkipPlan(6, attn=(2,), provenance={"k": 3}).save(tmp_path / "p.json")
     spec = DraftSpec.load(path)
@@ -42,6 +51,7 @@ def test_an_older_skip_plan_file_loads_as_a_draft(tmp_path):
     (lambda d: [], "holds list"),
     (lambda d: {**d, "attn": None}, "attn must be a list"),
     (lambda d: {**d, "k": "four"}, "k must be an integer"),
+    (lambda d: {**d, "k_max": -2}, "k_max must be an integer"),
     (lambda d: {**d, "provenance": [1]}, "provenance must be an object"),
     (lambda d: {**d, "options": {"weights": "int3"}}, "draft weights must be one of"),
     (lambda d: {**d, "options": {"wieghts": "int4"}}, "unexpected keyword"),

@@ -202,3 +202,34 @@ def test_decode_argument_errors(model):
         autoregressive(model, [], DecodeConfig())
     with pytest.raises(SelfSpecError, match="more than the model's context of 512"):
         self_speculative(model, list(range(3, 90)) * 6, SkipPlan(4), DecodeConfig(max_new_tokens=10))
+
+
+def test_growing_drafts_are_exact_and_grow(model):
+    """With k_max, a model draft grows by one token after each round accepted whole (an all-kept draft is always
+    right) up to k_max; the output stays AR's."""
+    cfg = DecodeConfig(max_new_tokens=40, k=2, k_max=5, fallback=False)
+    ar = autoregressive(model, PROMPT, cfg)
+    sp = self_speculative(model, PROMPT, SkipPlan(N), cfg)
+    assert sp.tokens == ar.tokens
+    # rounds of 2, 3, 4, then 5 drafts (each + 1 token): 1 + 3 + 4 + 5 + 6 x 4 = 37, then the last is cut to fit
+    assert len(sp.stats.drafted_per_position) == 5
+    assert sp.stats.drafted_per_position[:2] == [sp.stats.rounds] * 2
+    lossy = self_speculative(model, PROMPT, SkipPlan.whole_layers(N, [1, 2]), cfg)
+    assert lossy.tokens == ar.tokens
+
+
+def test_draft_length_rule():
+    from selfspec.engine.speculate import DraftLength
+
+    length = DraftLength(DecodeConfig(k=3, k_max=5))
+    seen = []
+    for drafted, accepted in [(3, 3), (4, 4), (5, 5), (5, 5), (5, 2), (3, 3), (2, 2)]:
+        seen.append(length.value)
+        length.update(drafted, accepted)
+    # grows after whole rounds up to 5; back to 3 after a miss; a short round (cut by room) resets too
+    assert seen == [3, 4, 5, 5, 5, 3, 4] and length.value == 3
+    fixed = DraftLength(DecodeConfig(k=3, k_max=3))
+    fixed.update(3, 3)
+    assert fixed.value == 3
+    with pytest.raises(SelfSpecError, match="k_max"):
+        DecodeConfig(k=3, k_max=-1)

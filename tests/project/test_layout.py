@@ -82,7 +82,7 @@ def test_decoding_defaults_are_written_once():
     conf = _yaml("decoding/default.yaml")
     code = {**defaults(DecodeConfig), **defaults(SamplingParams)}
     code.pop("sampling")
-    null_means_elsewhere = {"max_new_tokens", "k", "adaptive", "threshold", "rows"}  # the dataset's, draft file's, CPU's
+    null_means_elsewhere = {"max_new_tokens", "k", "adaptive", "threshold", "k_max", "rows"}  # the dataset's, draft file's, CPU's
     assert set(conf) == set(code)
     for key, value in conf.items():
         if key in null_means_elsewhere:

@@ -21,6 +21,9 @@ SPECS = {
     "short_copy": DraftSpec(SkipPlan(N_LAYERS, attn=(2,)), DraftOptions(ngram=3, min_ngram=1, copy_tokens=6), k=2),
     "head": DraftSpec(SkipPlan(N_LAYERS, mlp=(1,)), DraftOptions(head_tokens=40), k=4),
     "adaptive": DraftSpec(SkipPlan(N_LAYERS, attn=(1,)), k=4, adaptive=True, threshold=0.3),
+    "grow": DraftSpec(SkipPlan(N_LAYERS, mlp=(2,)), DraftOptions(ngram=3, copy_tokens=4), k=1, k_max=5),
+    "grow_tree": DraftSpec(SkipPlan(N_LAYERS, mlp=(2,)), DraftOptions(ngram=1, copy_tokens=6, copy_candidates=3,
+                                                                      tree_nodes=10), k=1, k_max=4),
     "copy_tree": DraftSpec(SkipPlan(N_LAYERS, attn=(2,)), DraftOptions(ngram=1, copy_tokens=6, copy_candidates=3,
                                                                        tree_nodes=10), k=2),
     "copy_tree_small_budget": DraftSpec(SkipPlan(N_LAYERS, attn=(2,)), DraftOptions(ngram=1, copy_tokens=6,
@@ -73,6 +76,9 @@ def test_simulated_rounds_equal_a_real_greedy_run(make_model, arch, name):
     assert counts.tokens == sum(g.stats.new_tokens - 1 for g in real)
     if not spec.adaptive:  # the adaptive exit's drafted length is exact only while the draft agrees
         assert counts.drafted == sum(g.stats.drafted for g in real)
+    if spec.k_max:  # the draft grew past k after rounds accepted whole, in both
+        longest = max([*counts.model_rounds, *(m for m, _ in counts.tree_rounds)])
+        assert longest > spec.k and max(len(g.stats.drafted_per_position) for g in real) >= longest
     assert counts.rounds > 0 and 0 < counts.accepted
     if not spec.options.model_draft:  # every round copied, a plain step wherever nothing matched
         assert counts.rounds == sum(g.stats.copy_rounds for g in real)

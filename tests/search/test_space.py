@@ -91,3 +91,17 @@ def test_space_round_trip_and_fixed_dimensions():
     assert copies.spec_of(params).options.copy_fallback == 0
     one = copies.spec_of({**params, "ngram": 1})
     assert one.options.min_ngram == 0  # a 1-gram draft has no shorter match
+
+
+def test_growing_drafts_are_a_dimension_of_the_space():
+    space = SearchSpace(6)
+    assert "k_max" not in space.describe()["dims"]  # held at 0: studies made before the dimension resume
+    grows = SearchSpace(6, dims=DraftDims(k=(2, 4), k_max=(0, 8)))
+    spec = DraftSpec(SkipPlan(6), DraftOptions(weights="int4", group_size=128, ngram=3), k=4, k_max=8)
+    assert grows.params_of(spec)["k_max"] == 8 and grows.spec_of(grows.params_of(spec)) == spec
+    assert grows.spec_of({**grows.params_of(spec), "k_max": 0}).k_max == 0
+    assert DraftDims(k_max=(0, 16)).longest_verify == 17  # a draft grown to 16 (past trees of 12), and the pending token
+    only = DraftSpec(SkipPlan(6), DraftOptions(ngram=2, copy_tokens=5, model_draft=False), k=2)
+    assert grows.spec_of({**grows.params_of(only), "k_max": 8}).k_max == 0  # copies only: nothing grows
+    with pytest.raises(SelfSpecError, match="k_max values must be >= 0"):
+        DraftDims(k_max=(-1,))
