@@ -52,9 +52,8 @@ class AdaptiveThreshold:
 class DraftLength:
     """How many tokens the next model draft may make: ``k``, or, with ``k_max`` above it, one more after each
     model-drafted round that drafted that many and had all of them accepted (up to ``k_max``) and ``k`` again after
-    any other model round. Long drafts pay where the draft stays right over many tokens (a verify checks 9 tokens
-    for about what it costs to check 7); the rule finds such stretches from the request's own rounds. The decoding
-    loop and the search's round simulator (:mod:`selfspec.search.simulate`) both use this one rule."""
+    any other model round: longer drafts where the request's own rounds say the draft stays right over many tokens.
+    The decoding loop and the search's round simulator (:mod:`selfspec.search.simulate`) both use this one rule."""
 
     def __init__(self, cfg: DecodeConfig) -> None:
         self.base, self.top = cfg.k, max(cfg.k, cfg.k_max)

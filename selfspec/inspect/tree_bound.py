@@ -21,7 +21,7 @@ continuations (:mod:`selfspec.search.simulate`, exact for greedy decoding):
 - ``adaptive k=K/t`` for the draft's own depth and every ``--k``, and every ``--adaptive`` threshold ``t``: the draft
   as found, drafting up to ``K`` tokens and stopping after one drafted with probability under ``t`` (the adaptive
   exit, its threshold moving as decoding runs it);
-- ``grow k=K`` for every ``--grow`` above the draft's depth: the draft as found, its model drafts one token longer
+- ``grow k=k..K`` for every ``--grow`` ``K`` above the draft's depth ``k``: the draft as found, its model drafts one token longer
   after each round that drafted its full length and had it all accepted, up to ``K``, back to its own depth after
   any other (``k_max``, :class:`~selfspec.engine.speculate.DraftLength`).
 
