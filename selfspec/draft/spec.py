@@ -47,6 +47,8 @@ class DraftSpec:
             raise PlanError(f"threshold must be a number in [0, 1), got {self.threshold!r}")
         if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 0:
             raise PlanError(f"k_max must be an integer >= 0 (0: no growth), got {self.k_max!r}")
+        if self.k_max <= self.k:  # a draft that cannot grow past k is the fixed-k draft: one field, one key, one file
+            object.__setattr__(self, "k_max", 0)
 
     @property
     def length(self) -> dict[str, Any]:
@@ -77,7 +79,7 @@ class DraftSpec:
             key += (("head_rescore", o.head_rescore),)
         if o.head_ids != "lowest":
             key += (("head_ids", o.head_ids),)
-        if self.k_max > self.k:
+        if self.k_max:
             key += (("k_max", self.k_max),)
         return key
 
@@ -103,7 +105,7 @@ class DraftSpec:
             tree += [f"branch below {o.branch_below:.2f}"] if o.branch_below else []
             tree += [f"{o.copy_fallback}-gram copies beside the model draft"] if o.copy_fallback else []
             parts.append(f"tree ({', '.join(tree)}, <= {o.tree_nodes} nodes)")
-        parts.append(f"k={self.k}" + (f" growing to {self.k_max}" if self.k_max > self.k else "")
+        parts.append(f"k={self.k}" + (f" growing to {self.k_max}" if self.k_max else "")
                      + (f" adaptive {self.threshold:.2f}" if self.adaptive else ""))
         return ", ".join(parts)
 

@@ -256,8 +256,8 @@ class RoundSimulator:
         out = RoundCounts()
         if L <= 1:
             return out
-        threshold = AdaptiveThreshold(DecodeConfig(**spec.length))
-        length = DraftLength(DecodeConfig(**spec.length))
+        policy = DecodeConfig(**spec.length)
+        threshold, length = AdaptiveThreshold(policy), DraftLength(policy)
         opts = spec.options
         ngram = NGramIndex(opts.ngram, opts.min_ngram or None, opts.copy_per_match) if opts.ngram else None
         tree = opts.tree  # the search simulates greedy decoding, where trees are verified

@@ -181,7 +181,7 @@ class SearchSpace:
         o = spec.options
         values = {"weights": o.weights, "group_size": o.group_size, "int4_fit": o.int4_fit, "head_tokens": o.head_tokens,
                   "head_ids": o.head_ids, "head_weights": o.head_weights, "head_rescore": o.head_rescore, "k": spec.k,
-                  "k_max": spec.k_max if spec.k_max > spec.k else 0, "adaptive": spec.adaptive,
+                  "k_max": spec.k_max, "adaptive": spec.adaptive,
                   "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
                   "min_ngram": o.min_ngram, "copy_per_match": o.copy_per_match, "copy_candidates": o.copy_candidates,
                   "branch_below": o.branch_below,
@@ -237,10 +237,9 @@ class SearchSpace:
                                model_draft=v["model_draft"] or not v["ngram"])
         if options.tree:  # a chain keeps the default budget: one draft, one spec
             options = replace(options, tree_nodes=v["tree_nodes"])
-        grows = v["k_max"] > v["k"] and options.model_draft  # a k_max at or under k is a fixed k
         return DraftSpec(SkipPlan(self.num_layers, attn=attn, mlp=mlp, model=model), options, k=v["k"],
                          adaptive=v["adaptive"], threshold=v["threshold"] if v["adaptive"] else 0.5,
-                         k_max=v["k_max"] if grows else 0)
+                         k_max=v["k_max"] if options.model_draft else 0)  # copies only: nothing grows
 
     def anchors(self) -> list[DraftSpec]:
         """The :data:`ANCHORS` this space holds (each once), as drafts to enqueue first."""

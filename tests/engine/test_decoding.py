@@ -7,7 +7,7 @@ import torch
 from selfspec import DecodeConfig, SelfSpecError, SkipPlan, autoregressive, self_speculative
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.engine.sampling import SamplingParams
-from selfspec.engine.speculate import Speculator
+from selfspec.engine.speculate import DraftLength, Speculator
 from tests.helpers import PROMPT
 
 N = 4  # layers of the tiny models
@@ -219,8 +219,6 @@ def test_growing_drafts_are_exact_and_grow(model):
 
 
 def test_draft_length_rule():
-    from selfspec.engine.speculate import DraftLength
-
     length = DraftLength(DecodeConfig(k=3, k_max=5))
     seen = []
     for drafted, accepted in [(3, 3), (4, 4), (5, 5), (5, 5), (5, 2), (3, 3), (2, 2)]:
