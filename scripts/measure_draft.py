@@ -4,10 +4,11 @@
         --setting "plan=empty weights=int4 head=16384 k=4" --setting "weights=int8 k=3 adaptive=1"
 
 Each setting is a space-separated list of key=value: plan (a draft or plan file, `empty`, or `default`
-for results/plans/<model>-default.json; its options and k unless given), weights (model|int8|int4), group (int4 group size),
-head (draft LM head tokens, 0 = full), ngram, copy (longest copy draft, 0 = k), cands (copy candidates of a
-draft tree), branch (branch_below of a draft tree), nodes (tree node budget), rows (padded forward rows), k,
-adaptive (0|1), threshold.
+for results/plans/<model>-default.json: its options, k, k_max, adaptive exit and threshold unless given), any
+draft option by its name (selfspec.draft.path.DraftOptions: weights, head_ids, head_weights, head_rescore,
+int4_fit, ...) or by a short name: group (group_size), head (head_tokens, 0 = full), copy (copy_tokens, 0 = k),
+cands (copy_candidates), branch (branch_below), nodes (tree_nodes); and k, k_max, adaptive (0|1), threshold,
+rows (padded forward rows; the CPU's default, as decoding runs).
 Prompts are the datasets' *calibration* samples (never the eval ones). AR and each setting
 run interleaved per prompt after a warm-up (selfspec.engine.harness); the ratio of total tokens/s is printed and
 appended as one JSON line to --out.
@@ -16,8 +17,10 @@ appended as one JSON line to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
+import typing
 
 from selfspec import DecodeConfig, DecodeStats, SkipPlan
 from selfspec.assets.models import load_model
@@ -25,29 +28,46 @@ from selfspec.cli.config import calibration_prompts
 from selfspec.draft.path import DraftOptions, DraftPath
 from selfspec.draft.spec import DraftSpec
 from selfspec.engine.harness import interleaved, recording
+from selfspec.kernels.packed import default_rows
 from selfspec.provenance import append_row, git_commit
 from selfspec.search.retime import plan_runner
 
+ALIASES = {"group": "group_size", "head": "head_tokens", "copy": "copy_tokens", "cands": "copy_candidates",
+           "branch": "branch_below", "nodes": "tree_nodes"}
+
+
+def _value(text: str, kind: type):
+    """A setting's text as ``kind``: 0/1 or true/false for a bool."""
+    if kind is bool:
+        if text.lower() not in ("0", "1", "true", "false"):
+            raise SystemExit(f"expected 0 or 1, got {text!r}")
+        return text.lower() in ("1", "true")
+    return kind(text)
+
 
 def parse(setting: str, model: str, num_layers: int) -> tuple[SkipPlan, DraftOptions, dict]:
-    """A setting's plan and options: a draft file's (plan=<file>), each key given overriding it."""
+    """A setting's plan, draft options and decoding keys: a draft file's (plan=<file>), each key given overriding it."""
     kv = dict(item.split("=", 1) for item in setting.split())
-    plan_arg = kv.get("plan", "default")
+    plan_arg = kv.pop("plan", "default")
     if plan_arg == "empty":
         spec = DraftSpec(SkipPlan(num_layers))
     else:
         spec = DraftSpec.load(f"results/plans/{model}-default.json" if plan_arg == "default" else plan_arg)
-    o = spec.options
-    opts = DraftOptions(weights=kv.get("weights", o.weights), group_size=int(kv.get("group", o.group_size)),
-                        head_tokens=int(kv.get("head", o.head_tokens)), ngram=int(kv.get("ngram", o.ngram)),
-                        copy_tokens=int(kv.get("copy", o.copy_tokens)),
-                        copy_candidates=int(kv.get("cands", o.copy_candidates)),
-                        branch_below=float(kv.get("branch", o.branch_below)),
-                        tree_nodes=int(kv.get("nodes", o.tree_nodes)))
-    kv.setdefault("k", str(spec.k))
-    kv.setdefault("adaptive", "1" if spec.adaptive else "0")
-    kv.setdefault("threshold", str(spec.threshold))
-    return spec.plan, opts, kv
+    decoding = {"k": spec.k, "k_max": spec.k_max, "adaptive": spec.adaptive, "threshold": spec.threshold,
+                "rows": default_rows()}
+    hints = typing.get_type_hints(DraftOptions)
+    options = {f.name for f in dataclasses.fields(DraftOptions)}
+    chosen = {}
+    for key, text in kv.items():
+        name = ALIASES.get(key, key)
+        if name in decoding:
+            decoding[name] = _value(text, type(decoding[name]))
+        elif name in options:
+            chosen[name] = _value(text, hints[name])
+        else:
+            raise SystemExit(f"unknown key {key!r} in setting {setting!r}: plan, {', '.join(decoding)}, "
+                             f"{', '.join(ALIASES)} or a draft option ({', '.join(sorted(options))})")
+    return spec.plan, dataclasses.replace(spec.options, **chosen), decoding
 
 
 def main() -> None:
@@ -63,13 +83,11 @@ def main() -> None:
     prompts = calibration_prompts(lm.tokenizer, args.datasets, args.prompts)
     n_layers = lm.num_layers
     for setting in args.setting:
-        plan, opts, kv = parse(setting, args.model, n_layers)
+        plan, opts, dec = parse(setting, args.model, n_layers)
         t0 = time.perf_counter()
         path = DraftPath(lm.model, plan, opts, stop_ids=lm.eos_ids)
         build_s = time.perf_counter() - t0
-        cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, k=int(kv.get("k", 3)),
-                           adaptive=kv.get("adaptive", "0") == "1", threshold=float(kv.get("threshold", 0.5)),
-                           fallback=False, rows=int(kv.get("rows", 1)))
+        cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, fallback=False, **dec)
         outputs: dict[str, list[list[int]]] = {"ar": [], "sp": []}
         runs = {"ar": recording(plan_runner(lm.model, lm.eos_ids, None, cfg), outputs["ar"]),
                 "sp": recording(plan_runner(lm.model, lm.eos_ids, plan, cfg, draft=path), outputs["sp"])}
@@ -80,7 +98,8 @@ def main() -> None:
         match = sum(x == y for x, y in zip(outputs["ar"], outputs["sp"]))
         res = {
             "setting": setting, "model": args.model, "datasets": args.datasets, "prompts": len(prompts),
-            "max_new_tokens": args.max_new_tokens, "plan": plan.describe(), "ar_tok_s": round(a["tokens_per_s"], 3),
+            "max_new_tokens": args.max_new_tokens, "plan": plan.describe(),
+            "options": dataclasses.asdict(opts), "decoding": dec, "ar_tok_s": round(a["tokens_per_s"], 3),
             "spec_tok_s": round(t["tokens_per_s"], 3), "speedup": round(t["tokens_per_s"] / a["tokens_per_s"], 3),
             "acceptance": round(t["acceptance_rate"], 3), "tokens_per_round": round(t["mean_accepted_length"], 3),
             "draft_step_over_ar_step": round(sp.draft_time / max(sp.drafted, 1) / step, 3),

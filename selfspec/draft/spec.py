@@ -56,6 +56,11 @@ class DraftSpec:
         return {name: getattr(self, name) for name in LENGTH}
 
     @property
+    def longest_draft(self) -> int:
+        """The most tokens one model draft makes: ``k``, or ``k_max`` for a draft that grows past it."""
+        return self.k_max or self.k
+
+    @property
     def key(self) -> tuple:
         """What makes two drafts the same draft (not what was measured)."""
         o = self.options

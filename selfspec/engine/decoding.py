@@ -130,6 +130,11 @@ class DecodeConfig:
         if self.packed_only and not self.packed_weights:
             raise SelfSpecError("packed_only frees the dense weights of packed ones: it needs packed_weights=true")
 
+    @property
+    def longest_draft(self) -> int:
+        """The most tokens one model draft makes: ``k``, or ``k_max`` for a draft that grows past it."""
+        return max(self.k, self.k_max)
+
 
 @dataclass
 class Generation:

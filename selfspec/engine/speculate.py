@@ -56,7 +56,7 @@ class DraftLength:
     The decoding loop and the search's round simulator (:mod:`selfspec.search.simulate`) both use this one rule."""
 
     def __init__(self, cfg: DecodeConfig) -> None:
-        self.base, self.top = cfg.k, max(cfg.k, cfg.k_max)
+        self.base, self.top = cfg.k, cfg.longest_draft
         self.value = cfg.k
 
     def update(self, drafted: int, accepted: int) -> None:
@@ -333,7 +333,7 @@ def self_speculative(model, prompt_ids, plan: SkipPlan, cfg: DecodeConfig, eos_i
     elif draft.plan != plan or draft.model is not model:
         raise SelfSpecError("the draft path was built for another plan or model")
     opts = draft.options
-    longest = opts.longest_verify(max(cfg.k, cfg.k_max))
+    longest = opts.longest_verify(cfg.longest_draft)
     run = Request(model, prompt_ids, cfg, eos_ids, "self_speculative", extra_slots=longest + 1)
     spec = Speculator(run, draft)
     with torch.inference_mode(), packed_weights(model, cfg.packed_weights, cfg.packed_only), \

@@ -378,6 +378,6 @@ def costs_for_drafts(lm, context: list[int], drafts: list[DraftSpec]) -> CostMod
     formats.setdefault("model", DraftOptions())
     heads = [DraftOptions(head_weights=o.head_weights, group_size=o.group_size, head_rescore=o.head_rescore)
              for o in opts if o.head_weights != "model"]
-    longest = max(d.options.longest_verify(max(d.k, d.k_max)) for d in drafts)
+    longest = max(d.options.longest_verify(d.longest_draft) for d in drafts)
     return measure_costs(lm.model, context, list(formats.values()), sorted({0, *(o.head_tokens for o in opts)}),
                          longest + 1, stop_ids=lm.eos_ids, machine=machine_fingerprint(), head_formats=heads)

@@ -39,6 +39,7 @@ def test_a_growing_draft_round_trips_and_is_another_draft(tmp_path):
     assert back.key != FULL.key and "k=4 growing to 8" in back.describe()
     assert "k_max" not in FULL.to_dict()  # a fixed k writes the file as before, and keeps its key
     assert FULL.replace(k_max=4).key == FULL.key and FULL.replace(k_max=3).to_dict() == FULL.to_dict()  # cannot grow
+    assert (grow.longest_draft, FULL.replace(k_max=3).longest_draft) == (8, 4)  # k = 4
 
 
 def test_an_older_skip_plan_file_loads_as_a_draft(tmp_path):

@@ -229,5 +229,6 @@ def test_draft_length_rule():
     fixed = DraftLength(DecodeConfig(k=3, k_max=3))
     fixed.update(3, 3)
     assert fixed.value == 3
+    assert [DecodeConfig(k=3, k_max=m).longest_draft for m in (0, 2, 3, 5)] == [3, 3, 3, 5]
     with pytest.raises(SelfSpecError, match="k_max"):
         DecodeConfig(k=3, k_max=-1)

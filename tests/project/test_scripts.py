@@ -27,6 +27,30 @@ def test_measure_draft_appends_one_row_per_setting(tmp_path):
     assert all(r["prompts"] == 2 and r["speedup"] > 0 and r["identical"].endswith("/2") for r in rows)
 
 
+def test_measure_draft_keeps_the_draft_files_options(tmp_path):
+    from selfspec.draft.path import DraftOptions
+    from selfspec.draft.spec import DraftSpec
+    from selfspec.model.plan import SkipPlan
+
+    draft = DraftSpec(SkipPlan(4, mlp=(2,)), DraftOptions(weights="int4", group_size=32, head_weights="int4",
+                                                          head_rescore=2, ngram=2, copy_per_match=2), k=3, k_max=5)
+    path = draft.save(tmp_path / "draft.json")
+    out = tmp_path / "draft.jsonl"
+    p = _script("measure_draft.py", "--model", "tiny-llama", "--datasets", "tiny", "--prompts", "1",
+                "--max-new-tokens", "8", "--setting", f"plan={path} head_ids=frequent head=64 k=2 adaptive=1",
+                "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {k: row["options"][k] for k in ("weights", "group_size", "head_weights", "head_rescore", "ngram",
+                                           "copy_per_match", "head_ids", "head_tokens")} == {
+        "weights": "int4", "group_size": 32, "head_weights": "int4", "head_rescore": 2, "ngram": 2,
+        "copy_per_match": 2, "head_ids": "frequent", "head_tokens": 64}
+    assert row["decoding"]["k"] == 2 and row["decoding"]["k_max"] == 5 and row["decoding"]["adaptive"] is True
+    bad = _script("measure_draft.py", "--model", "tiny-llama", "--datasets", "tiny", "--prompts", "1",
+                  "--setting", "plan=empty heads=4", "--out", str(tmp_path / "bad.jsonl"))
+    assert bad.returncode != 0 and "unknown key 'heads'" in bad.stderr
+
+
 def test_hugepages_times_both_instances_in_turns(tmp_path):
     from selfspec.draft.path import DraftOptions
     from selfspec.draft.spec import DraftSpec
