@@ -58,8 +58,9 @@ BUILDS = {"avx512-vnni": (("fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnn
 # every full-model step's cost; avx512-vnni r4, avx2 r5: the activations rounded to int8 and the MLP's SiLU on
 # vectors; avx2 r6: groups of 32 take their zero points' term as one dot product a row; avx2 r7: one activation
 # scale per 128 inputs, and groups of 128 and 256 take one integer sum per 128 inputs; avx512-vnni r5: a second
-# prefetch, into L2, 16 KiB ahead, docs/log.md)
-REVISIONS = {"avx512-vnni": 5, "avx2": 7}
+# prefetch, into L2, 16 KiB ahead; avx512-vnni r6, avx2 r8: the row attention reads each value once for a head group
+# and adds a block of keys' score lanes together, the same bits, docs/log.md)
+REVISIONS = {"avx512-vnni": 6, "avx2": 8}
 # inputs per activation scale (the activations' int8 rounding): one vpdpbusd's 64 on AVX-512, 128 on AVX2, where
 # one scale for 64 packed bytes' 128 inputs halves the integer sums' widening and conversions (kernels.md)
 ACT_BLOCKS = {"avx512-vnni": 64, "avx2": 128}

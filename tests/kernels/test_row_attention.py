@@ -61,6 +61,23 @@ def test_a_row_is_computed_alone():
                            full[r]), r
 
 
+@pytest.mark.parametrize("keys", [1, 15, 16, 17, 33, 50])
+def test_a_block_of_keys_scores_as_a_single_key_does(keys):
+    """Whole blocks of keys add their lanes together, the rest one key at a time, with the same additions: with every
+    key the same, every score is the same to the bit, so each weight is exactly 1 and a head's output is the values'
+    fp32 sum in key order times 1/keys, rounded to bf16."""
+    g = torch.Generator().manual_seed(keys)
+    q = torch.randn(12, 1, 128, generator=g).bfloat16()
+    k = torch.randn(2, 1, 128, generator=g).bfloat16().expand(2, keys, 128).contiguous()
+    v = torch.randn(2, keys, 128, generator=g).bfloat16()
+    got = vnni.row_attention(q, k, v, torch.tensor([keys]), None, 0.3)
+    total = torch.zeros(2, 128)
+    for t in range(keys):
+        total = total + v[:, t].float()
+    want = (total * (torch.tensor(1.0) / torch.tensor(float(keys)))).bfloat16()  # fp32, as the kernel divides
+    assert torch.equal(got[0], want.repeat_interleave(6, 0))
+
+
 def test_bad_inputs_are_refused():
     q = torch.randn(4, 2, 16).bfloat16()
     k = torch.randn(2, 10, 16).bfloat16()

@@ -187,7 +187,7 @@ def test_a_background_build_runs_once_and_callers_wait_for_it(monkeypatch):
         reset_kernels()
 
 
-@pytest.mark.parametrize("build, label", [("avx512-vnni", "int4-vnni r5"), ("avx2", "int4-vnni on avx2 r7")])
+@pytest.mark.parametrize("build, label", [("avx512-vnni", "int4-vnni r6"), ("avx2", "int4-vnni on avx2 r8")])
 def test_the_fingerprint_names_the_build_and_its_revision(monkeypatch, build, label):
     """A kernel change that moves its speed is a new revision: studies timed on the old one re-measure their costs
     (revision 1 of the AVX-512 build reads as it always did: "int4-vnni")."""

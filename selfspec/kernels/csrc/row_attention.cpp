@@ -12,7 +12,9 @@
 //
 // Per (row, key/value head): the group's query heads read each key once (one fused multiply-add chain per head, so
 // every head's sum runs over the head dimension in the same order as alone); max, exponentials and their total in
-// key order; the values summed in key order, four vectors of the head dimension at a time, then times 1/total.
+// key order; the values summed in key order, then times 1/total. The group's heads read each value once too: a
+// pass over the keys loads a few vectors of each value and adds them into every head's sums (as many vectors as
+// the heads' sums leave registers for), so each head's sum per element runs over the keys in the same order as alone.
 #include <torch/library.h>
 #include <torch/torch.h>
 #include <ATen/Parallel.h>
@@ -28,7 +30,9 @@
 namespace {
 
 constexpr int64_t HEADS = 8;  // query heads that read a key together (a larger group runs in blocks of this many)
-constexpr int64_t SPAN = 4;   // vectors of the head dimension summed over the values at a time
+// fp32 sums the values' pass keeps in registers (heads x vectors of the head dimension): 24 of AVX-512's 32
+// registers, 12 of AVX2's 16, the rest for the values' vectors and a weight
+constexpr int ACC = VW == 16 ? 24 : 12;
 
 // p[0 .. n) <- exp(p - max p); returns their total. Whole vectors from the start, then the rest one by one; the
 // total's lanes add in a fixed order, so it is a function of the row's scores alone.
@@ -53,35 +57,58 @@ float softmax_numerators(float* p, int64_t n) {
   return total;
 }
 
-// Scores of NU query heads qf [NU, D] (fp32, scaled) against the keys at K + col(t) * D: p[u * n + t].
+// Key t's lanes of the NU heads' dot products: acc[u] = sum over i of k(t)[i] q_u[i], one chain of fused
+// multiply-adds along the head dimension (hsum(acc[u]) is the score).
+template <int NU>
+inline void dot_lanes(const float* qf, const at::BFloat16* kt, int64_t D, vf* acc) {
+  for (int u = 0; u < NU; ++u) acc[u] = zero();
+  for (int64_t i = 0; i < D; i += VW) {
+    const vf kv = load_bf16(kt + i);
+    for (int u = 0; u < NU; ++u) acc[u] = fmadd(kv, loadu(qf + u * D + i), acc[u]);
+  }
+}
+
+// Scores of NU query heads qf [NU, D] (fp32, scaled) against the keys at K + col(t) * D: p[u * n + t]. Whole
+// blocks of VW keys add their lanes together (hsums, the same additions as hsum's), the rest one key at a time.
 template <int NU>
 void scores(const float* qf, const at::BFloat16* K, const int64_t* cols, int64_t n, int64_t D, float* p) {
-  for (int64_t t = 0; t < n; ++t) {
-    const at::BFloat16* kt = K + (cols ? cols[t] : t) * D;
-    vf acc[NU];
-    for (int u = 0; u < NU; ++u) acc[u] = zero();
-    for (int64_t i = 0; i < D; i += VW) {
-      const vf kv = load_bf16(kt + i);
-      for (int u = 0; u < NU; ++u) acc[u] = fmadd(kv, loadu(qf + u * D + i), acc[u]);
+  const int64_t whole = n / VW * VW;
+  vf part[NU][VW], acc[NU];
+  for (int64_t t0 = 0; t0 < whole; t0 += VW) {
+    for (int j = 0; j < VW; ++j) {
+      dot_lanes<NU>(qf, K + (cols ? cols[t0 + j] : t0 + j) * D, D, acc);
+      for (int u = 0; u < NU; ++u) part[u][hsum_slot(j)] = acc[u];
     }
+    for (int u = 0; u < NU; ++u) storeu(p + u * n + t0, hsums(part[u]));
+  }
+  for (int64_t t = whole; t < n; ++t) {
+    dot_lanes<NU>(qf, K + (cols ? cols[t] : t) * D, D, acc);
     for (int u = 0; u < NU; ++u) p[u * n + t] = hsum(acc[u]);
   }
 }
 
-// o[d0 .. d0 + M VW) <- (sum_t w[t] v(t)) * inv, the values at V + col(t) * D, summed in key order.
-template <int M>
+// For each head u < NU: o_u[d0 .. d0 + M VW) <- (sum_t w_u[t] v(t)) * inv[u], with w_u = w + u * n, the values at
+// V + col(t) * D summed in key order; each value's M vectors are loaded once for the NU heads.
+template <int NU, int M>
 void weighted_values(const float* w, const at::BFloat16* V, const int64_t* cols, int64_t n, int64_t D, int64_t d0,
-                     float inv, at::BFloat16* o) {
-  vf acc[M];
-  for (int s = 0; s < M; ++s) acc[s] = zero();
+                     const float* inv, at::BFloat16* o, int64_t stride) {
+  vf acc[NU][M];
+  for (int u = 0; u < NU; ++u)
+    for (int s = 0; s < M; ++s) acc[u][s] = zero();
   for (int64_t t = 0; t < n; ++t) {
     const at::BFloat16* vt = V + (cols ? cols[t] : t) * D + d0;
-    const vf wt = set1(w[t]);
-    for (int s = 0; s < M; ++s) acc[s] = fmadd(load_bf16(vt + s * VW), wt, acc[s]);
+    vf vv[M];
+    for (int s = 0; s < M; ++s) vv[s] = load_bf16(vt + s * VW);
+    for (int u = 0; u < NU; ++u) {
+      const vf wt = set1(w[u * n + t]);
+      for (int s = 0; s < M; ++s) acc[u][s] = fmadd(vv[s], wt, acc[u][s]);
+    }
   }
-  float buf[M * VW];
-  for (int s = 0; s < M; ++s) storeu(buf + s * VW, mul(acc[s], set1(inv)));
-  for (int64_t i = 0; i < M * VW; ++i) o[d0 + i] = at::BFloat16(buf[i]);
+  for (int u = 0; u < NU; ++u) {
+    float buf[M * VW];
+    for (int s = 0; s < M; ++s) storeu(buf + s * VW, mul(acc[u][s], set1(inv[u])));
+    for (int64_t i = 0; i < M * VW; ++i) o[u * stride + d0 + i] = at::BFloat16(buf[i]);
+  }
 }
 
 // One row's attention for NU query heads of one key/value head: qf [NU, D] fp32 (scaled), the keys and values at
@@ -89,14 +116,13 @@ void weighted_values(const float* w, const at::BFloat16* V, const int64_t* cols,
 template <int NU>
 void attend(const float* qf, const at::BFloat16* K, const at::BFloat16* V, const int64_t* cols, int64_t n,
             int64_t D, float* p, at::BFloat16* out, int64_t stride) {
+  constexpr int M = ACC / NU >= 4 ? 4 : ACC / NU >= 2 ? 2 : 1;  // vectors of the head dimension a pass
   scores<NU>(qf, K, cols, n, D, p);
-  for (int u = 0; u < NU; ++u) {
-    float* pu = p + u * n;
-    const float inv = 1.f / softmax_numerators(pu, n);
-    int64_t d0 = 0;
-    for (; d0 + SPAN * VW <= D; d0 += SPAN * VW) weighted_values<SPAN>(pu, V, cols, n, D, d0, inv, out + u * stride);
-    for (; d0 < D; d0 += VW) weighted_values<1>(pu, V, cols, n, D, d0, inv, out + u * stride);
-  }
+  float inv[NU];
+  for (int u = 0; u < NU; ++u) inv[u] = 1.f / softmax_numerators(p + u * n, n);
+  int64_t d0 = 0;
+  for (; d0 + M * VW <= D; d0 += M * VW) weighted_values<NU, M>(p, V, cols, n, D, d0, inv, out, stride);
+  for (; d0 < D; d0 += VW) weighted_values<NU, 1>(p, V, cols, n, D, d0, inv, out, stride);
 }
 
 using Attend = void (*)(const float*, const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t, int64_t,

@@ -32,6 +32,19 @@ inline vf pow2(vf n) {  // 2^n for whole n in -126 .. 127, through the exponent 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
 inline float hsum(vf x) { return _mm512_reduce_add_ps(x); }
+// hsum of VW vectors at once: lane t of the result is hsum(x[hsum_slot(t)]), its additions paired as hsum's own
+// (lanes i and i + 8, then i and i + 4, then 0 + 2 and 1 + 3, then those two), so it is bit for bit the same.
+constexpr int hsum_slot(int t) { return 8 * (t % 2) + 4 * (t / 2 % 2) + t / 4; }
+inline vf hsums(const vf* x) {
+  vf c[8], e[4], g[2];
+  for (int p = 0; p < 8; ++p)
+    c[p] = add(_mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0x44), _mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0xEE));
+  for (int q = 0; q < 4; ++q)
+    e[q] = add(_mm512_shuffle_f32x4(c[2 * q], c[2 * q + 1], 0x88), _mm512_shuffle_f32x4(c[2 * q], c[2 * q + 1], 0xDD));
+  for (int r = 0; r < 2; ++r)
+    g[r] = add(_mm512_shuffle_ps(e[r], e[r + 2], 0x44), _mm512_shuffle_ps(e[r], e[r + 2], 0xEE));
+  return add(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
+}
 inline vf vabs(vf x) { return _mm512_abs_ps(x); }
 inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
 inline vf times_below_zero(vf g, vf e) {  // g * e where g < 0, else g
@@ -70,6 +83,17 @@ inline float hsum(vf x) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+// hsum of VW vectors at once: lane t of the result is hsum(x[hsum_slot(t)]), its additions paired as hsum's own
+// (lanes i and i + 4, then 0 + 2 and 1 + 3, then those two), so it is bit for bit the same.
+constexpr int hsum_slot(int t) { return 2 * (t % 4) + t / 4; }
+inline vf hsums(const vf* x) {
+  vf c[4], g[2];
+  for (int p = 0; p < 4; ++p)
+    c[p] = add(_mm256_permute2f128_ps(x[2 * p], x[2 * p + 1], 0x20), _mm256_permute2f128_ps(x[2 * p], x[2 * p + 1], 0x31));
+  for (int r = 0; r < 2; ++r)
+    g[r] = add(_mm256_shuffle_ps(c[2 * r], c[2 * r + 1], 0x44), _mm256_shuffle_ps(c[2 * r], c[2 * r + 1], 0xEE));
+  return add(_mm256_shuffle_ps(g[0], g[1], 0x88), _mm256_shuffle_ps(g[0], g[1], 0xDD));
 }
 inline vf vabs(vf x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
 inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
