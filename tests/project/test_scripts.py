@@ -241,3 +241,30 @@ def test_verify_width_times_two_kernels_in_one_rotation(tmp_path):
     assert all(v > 0 for v in rows[1]["over_first_kernel"].values()) and rows[1]["timed_with"] == [rows[0]["kernels"]]
     if kernels[1] == "panels":
         assert rows[1]["kernels"].startswith("packed fp16 panels") and rows[0]["kernels"] == "packed bf16"
+
+
+def test_row_attention_ab_renames_the_revision_s_namespaces_and_times_two_kernels():
+    import importlib.util
+
+    import torch
+
+    from selfspec.kernels import vnni
+
+    spec = importlib.util.spec_from_file_location("row_attention_ab", ROOT / "scripts" / "row_attention_ab.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    source = script.renamed((ROOT / "selfspec/kernels/csrc/row_attention.cpp").read_text(), "rev0")
+    assert "selfspec_vnni" not in source and "namespace selfspec {" not in source
+    assert "TORCH_LIBRARY(selfspec_rev0," in source and "TORCH_LIBRARY_IMPL(selfspec_rev0," in source
+    assert "namespace selfspec_rev0 {" in source and "selfspec_rev0::attend_heads" in source
+    header = script.renamed((ROOT / "selfspec/kernels/csrc/row_attention.h").read_text(), "rev0")
+    assert "namespace selfspec_rev0 {" in header
+    if not vnni.available():
+        pytest.skip(f"C++ kernels: {vnni.unavailable_reason()}")
+    same = script.time_kernels({"this": vnni.row_attention, "revision": vnni.row_attention}, 4, 2, 16, 20, 3, reps=1,
+                               calls=2)
+    ratio, lo, hi = same["this_over_revision"]
+    assert same["identical"] and set(same["us"]) == {"this", "revision"} and lo <= ratio <= hi
+    other = script.time_kernels({"this": vnni.row_attention, "revision": lambda *a: torch.zeros(3, 4, 16).bfloat16()},
+                                4, 2, 16, 20, 3, reps=1, calls=2)
+    assert not other["identical"]
