@@ -60,10 +60,11 @@ def build_revision(rev: str):
     names = subprocess.run(["git", "ls-tree", "--name-only", sha, f"{CSRC}/"], capture_output=True, text=True,
                            check=True).stdout.split()
     for name in [n for n in names if n.endswith(".h")] + [f"{CSRC}/row_attention.cpp"]:
-        text = subprocess.run(["git", "show", f"{sha}:{name}"], capture_output=True, text=True, check=True).stdout
+        text = renamed(subprocess.run(["git", "show", f"{sha}:{name}"], capture_output=True, text=True,
+                                      check=True).stdout, tag)
         path = where / name.rsplit("/", 1)[-1]
-        if not path.exists() or path.read_text() != renamed(text, tag):
-            path.write_text(renamed(text, tag))
+        if not path.exists() or path.read_text() != text:  # an unchanged file keeps its time: no rebuild
+            path.write_text(text)
     vnni.compile_extension(where / "row_attention.cpp", f"row_attention-{tag}", ["-O3", "-fopenmp",
                                                                                    *vnni.BUILDS[vnni.isa()][1]])
     return sha, getattr(torch.ops, f"selfspec_{tag}").row_attention
