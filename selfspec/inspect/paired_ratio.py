@@ -10,6 +10,8 @@ one line for all the run's rows together ("all sets": tokens over time of every 
 of them, so that a difference of a few percent that no set's 10 rows resolve can be bounded over the whole run).
 ``--decode`` takes the tokens after each request's first over the time after it instead: the prefill left out,
 which over prompts of thousands of tokens is a large share of every method's time and the same for each.
+``--rounds`` adds what a round of each method cost over all the run's rows: its drafted tokens, its drafting and
+its verify time, and the verify in plain steps of the run's ``autoregressive`` method where the run has one.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from selfspec.engine.stats import DecodeStats
 from selfspec.errors import SelfSpecError
-from selfspec.eval.records import paired_speedup, read_jsonl, summarize
+from selfspec.eval.records import paired_speedup, read_jsonl, stats_of_row, summarize
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,13 +31,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("base")
     ap.add_argument("--decode", action="store_true",
                     help="decode speed: tokens after each request's first over the time after it (no prefill)")
+    ap.add_argument("--rounds", action="store_true",
+                    help="what a round of each method cost over all rows: drafted tokens, drafting and verify time")
     args = ap.parse_args(argv)
     folders = sorted(p.parent for p in Path(args.run).glob("*/samples.jsonl"))
     if not folders:
         raise SelfSpecError(f"no */samples.jsonl under {args.run}")
     pooled: tuple[list[dict], list[dict]] = ([], [])
+    plain: list[dict] = []  # the autoregressive method's rows, for its step time
     for folder in folders:
         _, rows = read_jsonl(folder / "samples.jsonl")
+        plain.extend(r for r in rows if r.get("method") == "autoregressive")
         mine, base = ([r for r in rows if r.get("method") == m] for m in (args.method, args.base))
         if not mine or not base:
             raise SelfSpecError(f"{folder}: no rows of {args.method if not mine else args.base}")
@@ -43,6 +50,24 @@ def main(argv: list[str] | None = None) -> None:
             kept.extend({**r, "sample_id": f"{folder.name}/{r['sample_id']}"} for r in rs)
     if len(folders) > 1:
         _line("all sets", *pooled, args.method, args.base, args.decode)
+    if args.rounds:
+        for name, rows in zip((args.method, args.base), pooled):
+            print(_round_cost(name, rows, plain))
+
+
+def _round_cost(name: str, rows: list[dict], plain: list[dict]) -> str:
+    """One method's rounds over its rows: drafted tokens, drafting and verify time a round (ms), the verify in the
+    autoregressive rows' plain steps."""
+    s = DecodeStats.merged([stats_of_row(r) for r in rows])
+    if not s.rounds:
+        return f"rounds of {name}: none"
+    verify = s.verify_time / s.rounds
+    line = (f"rounds of {name}: {s.rounds}, {s.drafted / s.rounds:.2f} drafted tokens, drafting "
+            f"{1e3 * s.draft_time / s.rounds:.1f} ms and a verify {1e3 * verify:.1f} ms a round")
+    ar = DecodeStats.merged([stats_of_row(r) for r in plain]) if plain else None
+    if ar is not None and ar.plain_steps:
+        line += f" ({verify / (ar.step_time / ar.plain_steps):.2f} of autoregressive's steps)"
+    return line
 
 
 def _line(name: str, mine: list[dict], base: list[dict], method: str, base_name: str, decode: bool = False) -> None:

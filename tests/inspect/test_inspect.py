@@ -168,6 +168,25 @@ def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, caps
     assert _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "ar").returncode != 0
 
 
+def test_paired_ratio_rounds_prints_what_a_round_cost_in_plain_steps(tmp_path, capsys):
+    def row(sample, method, rounds, drafted, draft_time, verify_time, plain_steps=0, step_time=0.0):
+        counters = {"method": method, "requests": 1, "new_tokens": 20, "rounds": rounds, "drafted": drafted,
+                    "accepted": drafted, "plain_steps": plain_steps, "draft_time": draft_time,
+                    "verify_time": verify_time, "step_time": step_time, "ttft": 0.1, "total_time": 2.0}
+        return {"type": "sample", "sample_id": sample, "method": method, "turns": 1, "counters": counters,
+                "output_sha256": "x"}
+
+    rows = [row("a", "autoregressive", 0, 0, 0.0, 0.0, plain_steps=20, step_time=2.0),  # a step of 0.1 s
+            row("a", "wide", 4, 28, 0.8, 0.6), row("a", "chain", 5, 25, 0.5, 0.6)]
+    (tmp_path / "m" / "gsm8k").mkdir(parents=True)
+    (tmp_path / "m" / "gsm8k" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = _run(capsys, "paired-ratio", str(tmp_path / "m"), "wide", "chain", "--rounds")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert ("rounds of wide: 4, 7.00 drafted tokens, drafting 200.0 ms and a verify 150.0 ms a round "
+            "(1.50 of autoregressive's steps)") in p.stdout
+    assert "rounds of chain: 5, 5.00 drafted tokens, drafting 100.0 ms and a verify 120.0 ms a round (1.20 " in p.stdout
+
+
 def test_a_second_level_prices_each_levels_first_step_of_a_round():
     from collections import Counter
     from dataclasses import replace
