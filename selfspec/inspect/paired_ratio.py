@@ -11,7 +11,7 @@ of them, so that a difference of a few percent that no set's 10 rows resolve can
 ``--decode`` takes the tokens after each request's first over the time after it instead: the prefill left out,
 which over prompts of thousands of tokens is a large share of every method's time and the same for each.
 ``--rounds`` adds what a round of each method cost over all the run's rows: its drafted tokens, its drafting and
-its verify time, and the verify in plain steps of the run's ``autoregressive`` method where the run has one.
+its verify time, and the verify in plain steps of the run's baseline (its header's, as the tables take it).
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     if not folders:
         raise SelfSpecError(f"no */samples.jsonl under {args.run}")
     pooled: tuple[list[dict], list[dict]] = ([], [])
-    plain: list[dict] = []  # the autoregressive method's rows, for its step time
+    plain: list[dict] = []  # each run's baseline rows, for its plain step time
     for folder in folders:
-        _, rows = read_jsonl(folder / "samples.jsonl")
-        plain.extend(r for r in rows if r.get("method") == "autoregressive")
+        header, rows = read_jsonl(folder / "samples.jsonl")
+        baseline = (header or {}).get("baseline", "autoregressive")
+        plain.extend(r for r in rows if r.get("method") == baseline)
         mine, base = ([r for r in rows if r.get("method") == m] for m in (args.method, args.base))
         if not mine or not base:
             raise SelfSpecError(f"{folder}: no rows of {args.method if not mine else args.base}")
@@ -57,16 +58,16 @@ def main(argv: list[str] | None = None) -> None:
 
 def _round_cost(name: str, rows: list[dict], plain: list[dict]) -> str:
     """One method's rounds over its rows: drafted tokens, drafting and verify time a round (ms), the verify in the
-    autoregressive rows' plain steps."""
+    baseline rows' plain steps."""
     s = DecodeStats.merged([stats_of_row(r) for r in rows])
     if not s.rounds:
         return f"rounds of {name}: none"
     verify = s.verify_time / s.rounds
     line = (f"rounds of {name}: {s.rounds}, {s.drafted / s.rounds:.2f} drafted tokens, drafting "
             f"{1e3 * s.draft_time / s.rounds:.1f} ms and a verify {1e3 * verify:.1f} ms a round")
-    ar = DecodeStats.merged([stats_of_row(r) for r in plain]) if plain else None
-    if ar is not None and ar.plain_steps:
-        line += f" ({verify / (ar.step_time / ar.plain_steps):.2f} of autoregressive's steps)"
+    base = DecodeStats.merged([stats_of_row(r) for r in plain]) if plain else None
+    if base is not None and base.plain_steps:
+        line += f" ({verify / (base.step_time / base.plain_steps):.2f} of {base.method}'s steps)"
     return line
 
 
