@@ -61,7 +61,7 @@ def main(cfg: DictConfig) -> None:
         int4 = "int4" in settings.space.weights + settings.space.head_weights and cfg.model.device == "cpu"
         build = vnni.build_in_background() if int4 else None
         # likewise the full model's kernel: ours on AMX tiles on a CPU with AMX, else our fp16 kernel where the packed
-        # forwards run on fp16 copies (an AVX2 CPU; ~55 s on a Zen 3)
+        # forwards run on fp16 copies (an AVX2 CPU; ~20 s on a Zen 3)
         cpu = cfg.model.device == "cpu"
         build16 = (amx.build_in_background() if cpu and amx.cpu_has_amx() else
                    fp16.build_in_background() if cpu and pack_format() == "fp16" else None)

@@ -12,7 +12,7 @@ fp16's subnormals) keeps its bf16 values in the same panels (:func:`pack` with `
 kernel widens by a shift: the same fp32 weights and sums as an fp16 panel of the same values, so every row stays
 row-invariant.
 
-It is compiled on first use like the int4 kernel (:func:`selfspec.kernels.vnni.compile_extension`, ~55 s on a
+It is compiled on first use like the int4 kernel (:func:`selfspec.kernels.vnni.compile_extension`, ~20 s on a
 2-core Zen 3) and needs AVX2, FMA and F16C. :func:`available` says whether it runs here;
 ``SELFSPEC_FP16_KERNEL=fbgemm`` keeps fbgemm's. The kernel that ran is recorded (``packed_weights`` in a run's
 decode settings, ``kernels`` in the machine fingerprint), so runs and cost models of the two never mix.

@@ -20,7 +20,9 @@
 // Linux hands out AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once a process): permitted()
 // asks, and the Python side uses the kernel only where it was granted.
 #include <torch/library.h>
-#include <torch/torch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <sys/syscall.h>

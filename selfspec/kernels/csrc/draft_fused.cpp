@@ -2,7 +2,8 @@
 // products on the int4 kernel (int4_vnni.cpp), its attention on the row attention's core and its SiLU on the vector
 // math of vec.h.
 #include <torch/library.h>
-#include <torch/torch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include "int4_vnni.h"
@@ -19,18 +20,18 @@
 // [KVH, L, D], causal attention of row i over slots 0 .. start+i (row_attention.h: scores and softmax in fp32, a key
 // read once for its head group),
 // then o_proj's int4 product. h [R, E] bf16 -> [R, E'] bf16.
-torch::Tensor draft_attention(const torch::Tensor& h, const torch::Tensor& qkv_w, const torch::Tensor& qkv_sz,
-                              const c10::optional<torch::Tensor>& qkv_bias, const torch::Tensor& o_w,
-                              const torch::Tensor& o_sz, int64_t G, const torch::Tensor& cos, const torch::Tensor& sin,
-                              torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t heads, int64_t kv_heads,
+at::Tensor draft_attention(const at::Tensor& h, const at::Tensor& qkv_w, const at::Tensor& qkv_sz,
+                              const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_w,
+                              const at::Tensor& o_sz, int64_t G, const at::Tensor& cos, const at::Tensor& sin,
+                              at::Tensor kc, at::Tensor vc, int64_t start, int64_t heads, int64_t kv_heads,
                               double scale) {
   const int64_t R = h.size(0), D = kc.size(2), L = kc.size(1);
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kBFloat16 &&
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kBFloat16 &&
               vc.sizes() == kc.sizes() && kc.size(0) == kv_heads, "kc, vc: contiguous bf16 [KVH, L, D]");
   TORCH_CHECK(D % 32 == 0 && heads % kv_heads == 0 && start >= 0 && start + R <= L, "head dim % 32, heads, slots");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kBFloat16 &&
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kBFloat16 &&
               cos.size(0) == R && cos.size(1) == D, "cos, sin: contiguous bf16 [R, D]");
-  torch::Tensor qkv = int4_mm(h, qkv_w, qkv_sz, G);  // [R, (H + 2 KVH) D]
+  at::Tensor qkv = int4_mm(h, qkv_w, qkv_sz, G);  // [R, (H + 2 KVH) D]
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * D, "qkv rows: (heads + 2 kv_heads) * head_dim");
   const int64_t width = qkv.size(1), half = D / 2, group = heads / kv_heads;
   // rows' q (fp32, rotated, scaled) and k/v (rotated k) in bf16 into the cache
@@ -67,7 +68,7 @@ torch::Tensor draft_attention(const torch::Tensor& h, const torch::Tensor& qkv_w
       std::copy(x, x + D, VC + (j * L + start + r) * D);
     }
   }
-  auto out = torch::empty({R, heads * D}, torch::kBFloat16);
+  auto out = at::empty({R, heads * D}, at::kBFloat16);
   at::BFloat16* O = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, R * kv_heads, 1, [&](int64_t b0, int64_t b1) {  // row r's heads of key/value head j
     std::vector<float> p;
@@ -108,11 +109,11 @@ void silu_mul(const at::BFloat16* g, const at::BFloat16* u, at::BFloat16* out, i
 // One draft step's MLP sublayer of a Llama/Qwen2 layer (SiLU), after its norm: gate/up through one stacked int4
 // product ([R, 2I]: gate rows, then up rows), silu(gate) * up rounded to bf16 as the module rounds each (vectorized, on
 // one thread: a parallel region costs more than the work), then down.
-torch::Tensor draft_mlp(const torch::Tensor& h, const torch::Tensor& gu_w, const torch::Tensor& gu_sz,
-                        const torch::Tensor& down_w, const torch::Tensor& down_sz, int64_t G) {
-  torch::Tensor gu = int4_mm(h, gu_w, gu_sz, G);
+at::Tensor draft_mlp(const at::Tensor& h, const at::Tensor& gu_w, const at::Tensor& gu_sz,
+                        const at::Tensor& down_w, const at::Tensor& down_sz, int64_t G) {
+  at::Tensor gu = int4_mm(h, gu_w, gu_sz, G);
   const int64_t R = gu.size(0), I = gu.size(1) / 2;
-  auto act = torch::empty({R, I}, torch::kBFloat16);
+  auto act = at::empty({R, I}, at::kBFloat16);
   const at::BFloat16* X = gu.data_ptr<at::BFloat16>();
   at::BFloat16* A = act.data_ptr<at::BFloat16>();
   for (int64_t r = 0; r < R; ++r) silu_mul(X + r * 2 * I, X + r * 2 * I + I, A + r * I, I);
@@ -123,11 +124,11 @@ namespace {
 
 // Llama/Qwen2 RMSNorm as transformers computes it: in fp32, x * rsqrt(mean(x^2) + eps), rounded to bf16, times the
 // bf16 weight (rounded again). h [R, E] bf16 -> [R, E] bf16.
-torch::Tensor rms_norm(const torch::Tensor& h, const torch::Tensor& w, double eps) {
-  TORCH_CHECK(h.scalar_type() == torch::kBFloat16 && h.dim() == 2 && h.is_contiguous(), "h: contiguous bf16 [R, E]");
+at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& w, double eps) {
+  TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.is_contiguous(), "h: contiguous bf16 [R, E]");
   const int64_t R = h.size(0), E = h.size(1);
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.numel() == E, "norm weight: bf16 [E]");
-  auto out = torch::empty({R, E}, torch::kBFloat16);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.numel() == E, "norm weight: bf16 [E]");
+  auto out = at::empty({R, E}, at::kBFloat16);
   const at::BFloat16* X = h.data_ptr<at::BFloat16>();
   const at::BFloat16* W = w.data_ptr<at::BFloat16>();
   at::BFloat16* Y = out.data_ptr<at::BFloat16>();
@@ -145,7 +146,7 @@ torch::Tensor rms_norm(const torch::Tensor& h, const torch::Tensor& w, double ep
 }
 
 // y = h + y in bf16, as the decoder layer adds a sublayer's output to the residual stream.
-torch::Tensor add_residual(const torch::Tensor& h, torch::Tensor y) {
+at::Tensor add_residual(const at::Tensor& h, at::Tensor y) {
   TORCH_CHECK(y.sizes() == h.sizes() && y.is_contiguous(), "a sublayer's output has the residual's shape");
   const at::BFloat16* X = h.data_ptr<at::BFloat16>();
   at::BFloat16* Y = y.data_ptr<at::BFloat16>();
@@ -156,20 +157,20 @@ torch::Tensor add_residual(const torch::Tensor& h, torch::Tensor y) {
 }  // namespace
 
 // A kept sublayer with its norm and residual (selfspec/draft/fused.py, FusedStep): h + sublayer(rms_norm(h)).
-torch::Tensor draft_attention_block(const torch::Tensor& h, const torch::Tensor& norm_w, double eps,
-                                    const torch::Tensor& qkv_w, const torch::Tensor& qkv_sz,
-                                    const c10::optional<torch::Tensor>& qkv_bias, const torch::Tensor& o_w,
-                                    const torch::Tensor& o_sz, int64_t G, const torch::Tensor& cos,
-                                    const torch::Tensor& sin, torch::Tensor kc, torch::Tensor vc, int64_t start,
+at::Tensor draft_attention_block(const at::Tensor& h, const at::Tensor& norm_w, double eps,
+                                    const at::Tensor& qkv_w, const at::Tensor& qkv_sz,
+                                    const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_w,
+                                    const at::Tensor& o_sz, int64_t G, const at::Tensor& cos,
+                                    const at::Tensor& sin, at::Tensor kc, at::Tensor vc, int64_t start,
                                     int64_t heads, int64_t kv_heads, double scale) {
-  torch::Tensor y = draft_attention(rms_norm(h, norm_w, eps), qkv_w, qkv_sz, qkv_bias, o_w, o_sz, G, cos, sin, kc, vc,
+  at::Tensor y = draft_attention(rms_norm(h, norm_w, eps), qkv_w, qkv_sz, qkv_bias, o_w, o_sz, G, cos, sin, kc, vc,
                                     start, heads, kv_heads, scale);
   return add_residual(h, y);
 }
 
-torch::Tensor draft_mlp_block(const torch::Tensor& h, const torch::Tensor& norm_w, double eps,
-                              const torch::Tensor& gu_w, const torch::Tensor& gu_sz, const torch::Tensor& down_w,
-                              const torch::Tensor& down_sz, int64_t G) {
+at::Tensor draft_mlp_block(const at::Tensor& h, const at::Tensor& norm_w, double eps,
+                              const at::Tensor& gu_w, const at::Tensor& gu_sz, const at::Tensor& down_w,
+                              const at::Tensor& down_sz, int64_t G) {
   return add_residual(h, draft_mlp(rms_norm(h, norm_w, eps), gu_w, gu_sz, down_w, down_sz, G));
 }
 

@@ -22,7 +22,8 @@
 // under the weights' reading; two interleaved chains per output (revisions 2 and 3) fitted only 3 rows in the
 // registers, so a 6-row product passed over each block twice and cost about 1.7 one-row products.
 #include <torch/library.h>
-#include <torch/torch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -11,7 +11,8 @@
 // Layout of w: [N, K/2] uint8; each 64 bytes hold 128 inputs, byte j = q[j] | q[j + 64] << 4.
 // Layout of sz: [N, K/G, 2] bf16 (scale, zero). K % 128 == 0, G in {32, 64, 128, 256}, G | K.
 #include <torch/library.h>
-#include <torch/torch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -88,19 +89,19 @@ void by_rows(int64_t rows, F&& f) {
 
 }  // namespace
 
-torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz, int64_t G) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: contiguous uint8 [N, K/2]");
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t G) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "w: contiguous uint8 [N, K/2]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % 128 == 0 && (G == 32 || G % 64 == 0) && K % G == 0 && w.size(1) == K / 2,
               "K % 128, G 32 or a multiple of 64, K % G, w [N, K/2]");
-  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.numel() == N * (K / G) * 2,
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.numel() == N * (K / G) * 2,
               "sz: contiguous bf16 [N, K/G, 2]");
-  auto xq = torch::empty({M, K}, torch::kInt8);
-  auto xs = torch::empty({M, K / 64}, torch::kFloat);
-  auto xg = torch::empty({M, K / G}, torch::kFloat);
+  auto xq = at::empty({M, K}, at::kChar);
+  auto xs = at::empty({M, K / 64}, at::kFloat);
+  auto xg = at::empty({M, K / G}, at::kFloat);
   quantize_rows(x.data_ptr<at::BFloat16>(), M, K, G, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xg.data_ptr<float>());
-  auto y = torch::empty({M, N}, torch::kBFloat16);
+  auto y = at::empty({M, N}, at::kBFloat16);
   const uint8_t* W = w.data_ptr<uint8_t>();
   const at::BFloat16* SZ = sz.data_ptr<at::BFloat16>();
   const int8_t* XQ = xq.data_ptr<int8_t>();
@@ -109,7 +110,7 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
 #if !defined(__AVX512VNNI__)
   // AVX2, groups of 32, 128 and 256: each group's (-8 a, a), for the zero points' term as one dot product a row
   const bool pairs = G == 32 || G % 128 == 0;
-  auto xz = torch::empty({M, pairs ? 2 * (K / G) : 0}, torch::kFloat);
+  auto xz = at::empty({M, pairs ? 2 * (K / G) : 0}, at::kFloat);
   if (pairs) {
     float* z = xz.data_ptr<float>();
     for (int64_t j = 0; j < M * (K / G); ++j) z[2 * j] = -8.f * XG[j], z[2 * j + 1] = XG[j];

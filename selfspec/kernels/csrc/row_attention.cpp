@@ -16,7 +16,8 @@
 // pass over the keys loads a few vectors of each value and adds them into every head's sums (as many vectors as
 // the heads' sums leave registers for), so each head's sum per element runs over the keys in the same order as alone.
 #include <torch/library.h>
-#include <torch/torch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -145,21 +146,21 @@ void attend_heads(const float* qf, int64_t heads, const at::BFloat16* K, const a
 
 }  // namespace selfspec
 
-torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& count, const c10::optional<torch::Tensor>& index, double scale) {
+at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& count, const c10::optional<at::Tensor>& index, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [H, R, D], k and v [KVH, L, D]");
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
-              v.scalar_type() == torch::kBFloat16, "bf16 q, k, v");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+              v.scalar_type() == at::kBFloat16, "bf16 q, k, v");
   const int64_t H = q.size(0), R = q.size(1), D = q.size(2), KVH = k.size(0), L = k.size(1);
   TORCH_CHECK(k.size(2) == D && D % VW == 0 && H % KVH == 0, "head dims (a multiple of the vector width), heads");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D && k.stride(0) == v.stride(0),
               "k, v: each head's keys contiguous rows of D");
-  TORCH_CHECK(count.scalar_type() == torch::kLong && count.is_contiguous() && count.numel() == R, "count: int64 [R]");
+  TORCH_CHECK(count.scalar_type() == at::kLong && count.is_contiguous() && count.numel() == R, "count: int64 [R]");
   const int64_t* C = count.data_ptr<int64_t>();
   const int64_t* I = nullptr;
   int64_t W = 0;
   if (index.has_value()) {
-    TORCH_CHECK(index->scalar_type() == torch::kLong && index->is_contiguous() && index->dim() == 2 &&
+    TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous() && index->dim() == 2 &&
                 index->size(0) == R, "index: contiguous int64 [R, W]");
     I = index->data_ptr<int64_t>();
     W = index->size(1);
@@ -168,12 +169,12 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
     TORCH_CHECK(C[r] >= 1 && C[r] <= (I ? W : L), "each row attends 1 .. its columns' keys");
     for (int64_t t = 0; I && t < C[r]; ++t) TORCH_CHECK(I[r * W + t] >= 0 && I[r * W + t] < L, "index within the keys");
   }
-  const torch::Tensor qc = q.contiguous();
+  const at::Tensor qc = q.contiguous();
   const at::BFloat16* Q = qc.data_ptr<at::BFloat16>();
   const at::BFloat16* K = k.data_ptr<at::BFloat16>();
   const at::BFloat16* V = v.data_ptr<at::BFloat16>();
   const int64_t group = H / KVH, hs = k.stride(0);
-  auto out = torch::empty({R, H, D}, torch::kBFloat16);
+  auto out = at::empty({R, H, D}, at::kBFloat16);
   at::BFloat16* O = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, R * KVH, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> qf(group * D), p;
