@@ -96,3 +96,18 @@ def test_every_row_computes_the_same_bits_whatever_the_call_s_row_count(dtype, n
     want = (x.double() @ w.double().T).float()
     got = fp16.linear(x, panels, None, n).float()
     assert torch.all((got - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * k ** 0.5)
+
+
+@pytest.mark.parametrize("rows", [129, 300])
+def test_a_prefill_s_rows_compute_the_bits_of_one_row_calls(rows):
+    """Calls of over 128 rows run in parts on the AVX2 build: every row still gets a one-row call's bits."""
+    n, k = 40, 300
+    w = _fp16_exact(n, k, 7)
+    panels = fp16.pack(w)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    got = fp16.linear(x, panels, b, n)
+    ones = torch.cat([fp16.linear(x[i:i + 1], panels, b, n) for i in range(rows)])
+    assert got.shape == (rows, n) and torch.equal(got, ones)
+    want = (x.double() @ w.double().T + b.double()).float()
+    assert torch.all((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * k ** 0.5)

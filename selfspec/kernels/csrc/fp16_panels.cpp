@@ -4,7 +4,8 @@
 // laid out in panels of 16 outputs: w [P, K, 16] fp16, P = ceil(N / 16), panel p holding outputs 16p..16p+15 for each
 // input k (zeros past N). A weight that fp16 does not hold exactly keeps its bf16 values in the same panels (w bf16),
 // widened to fp32 by a shift: the same fp32 weights, so the same products in the same order. The products run in
-// fp32 on AVX2 + FMA + F16C: each 16-output panel is read once per call for all M rows, in blocks of up to 6 rows x 16
+// fp32 on AVX2 + FMA + F16C: each 16-output panel is read once per call for all M rows (up to ROW_CHUNK of them), in
+// blocks of up to 6 rows x 16
 // outputs (twelve ymm accumulators, each weight widened once per block), the panel's blocks of 256 inputs kept in L1
 // across the row blocks. Up to 6 rows thus take one pass over the weights, their FMAs running under the reading: on a
 // 2-core Zen 3 a 6-row product costs about 1.3 one-row products (docs/kernels.md). fbgemm's fp16 kernel, which this
@@ -132,6 +133,10 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, fl
 }
 
 constexpr int64_t MR_MAX = 6;  // rows per block: 6 x 2 = 12 accumulators, 2 weights and a broadcast in 16 ymm registers
+// A call over this many rows runs in calls of at most this many (AVX2 build): a panel's pass reads the rows' inputs
+// of each block again for every panel, and a block of 128 rows' (128 KiB) stays in L2 where a long prompt's does not.
+// A 900-row product of the 1.5B's MLP shapes ran 1.15-1.2x as fast so (docs/kernels.md).
+constexpr int64_t ROW_CHUNK = 128;
 
 
 #endif  // AVX-512 or AVX2
@@ -153,6 +158,16 @@ at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional
               "fp16_mm: x [M, K] and w [P, K, 16] fp16 or bf16, contiguous");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                                     bias->numel() == n_out), "fp16_mm: bias fp32 [n_out]");
+#if !defined(__AVX512F__)
+  if (x.size(0) > ROW_CHUNK) {  // a prefill's rows, ROW_CHUNK at a time (each row's sums are the same either way)
+    at::Tensor out = at::empty({x.size(0), n_out}, x.options());
+    for (int64_t m0 = 0; m0 < x.size(0); m0 += ROW_CHUNK) {
+      const int64_t len = std::min<int64_t>(ROW_CHUNK, x.size(0) - m0);
+      out.narrow(0, m0, len).copy_(fp16_mm(x.narrow(0, m0, len), w, bias, n_out));
+    }
+    return out;
+  }
+#endif
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
   const int64_t M = x32.size(0), K = x32.size(1), P = w.size(0);
   TORCH_CHECK(w.size(1) == K && n_out <= P * 16 && n_out > (P - 1) * 16, "fp16_mm: w's shape does not fit x and n_out");
