@@ -5,13 +5,12 @@
 // input k (zeros past N). A weight that fp16 does not hold exactly keeps its bf16 values in the same panels (w bf16),
 // widened to fp32 by a shift: the same fp32 weights, so the same products in the same order. The products run in
 // fp32 on AVX2 + FMA + F16C: each 16-output panel is read once per call for all M rows (up to ROW_CHUNK of them), in
-// blocks of up to 6 rows x 16
-// outputs (twelve ymm accumulators, each weight widened once per block), the panel's blocks of 256 inputs kept in L1
-// across the row blocks. Up to 6 rows thus take one pass over the weights, their FMAs running under the reading: on a
-// 2-core Zen 3 a 6-row product costs about 1.3 one-row products (docs/kernels.md). fbgemm's fp16 kernel, which this
-// replaces on such CPUs, handles 6 rows at a time and reads every weight again for each further 6 (docs/log.md). The
-// sums run in fp32 in another order than fbgemm's: the same numbers up to rounding, rounded once to the output's
-// dtype.
+// blocks of up to 6 rows x 16 outputs (twelve ymm accumulators, each weight widened once per block), the panel's
+// blocks of 256 inputs kept in L1 across the row blocks. Up to 6 rows thus take one pass over the weights, their FMAs
+// running under the reading: on a 2-core Zen 3 a 6-row product costs about 1.3 one-row products (docs/kernels.md).
+// fbgemm's fp16 kernel, which this replaces on such CPUs, handles 6 rows at a time and reads every weight again for
+// each further 6 (docs/log.md). The sums run in fp32 in another order than fbgemm's: the same numbers up to rounding,
+// rounded once to the output's dtype.
 //
 // Where the CPU has AVX-512 F the same file builds with 512-bit vectors (blocks of up to 12 rows, the same bits): it
 // runs the full model on a CPU with AMX, and wherever a model is packed as fp16 on purpose (SELFSPEC_PACK=fp16,
@@ -135,7 +134,7 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kc, fl
 constexpr int64_t MR_MAX = 6;  // rows per block: 6 x 2 = 12 accumulators, 2 weights and a broadcast in 16 ymm registers
 // A call over this many rows runs in calls of at most this many (AVX2 build): a panel's pass reads the rows' inputs
 // of each block again for every panel, and a block of 128 rows' (128 KiB) stays in L2 where a long prompt's does not.
-// A 900-row product of the 1.5B's MLP shapes ran 1.15-1.2x as fast so (docs/kernels.md).
+// A 900-row product of the 1.5B's MLP shapes ran 1.12-1.28x as fast so on a 2-core Zen 3 (docs/kernels.md).
 constexpr int64_t ROW_CHUNK = 128;
 
 
