@@ -88,6 +88,11 @@ def read_jsonl(path: Path) -> tuple[dict | None, list[dict]]:
     return header, rows
 
 
+def baseline_of(header: dict | None) -> str:
+    """The method a run's speedups are over: its header's ``baseline`` (runs written before headers named it: our AR)."""
+    return (header or {}).get("baseline", "autoregressive")
+
+
 def skipped_samples(path: Path) -> dict[str, str]:
     """Samples a run skipped (``type: skipped`` rows: a prompt too long for the model, an empty turn), with why."""
     return {row["sample_id"]: row.get("reason", "") for row in _json_lines(path) if row.get("type") == "skipped"}

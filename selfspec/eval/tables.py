@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.eval.quality import quality
-from selfspec.eval.records import paired_bootstrap, read_jsonl, summarize
+from selfspec.eval.records import baseline_of, paired_bootstrap, read_jsonl, summarize
 
 COLUMNS = ["model", "dataset", "variant", "method", "kernels", "samples", "attn_skipped", "mlp_skipped", "k",
            "acceptance_rate", "mean_accepted_length", "tokens_per_s", "speedup", "greedy_match", "task_quality",
@@ -70,7 +70,7 @@ def load_runs(root: Path) -> list[Run]:
 def table_rows(run: Run) -> list[dict]:
     """One table row per method of one run, derived from its raw rows."""
     fp = run.header["fingerprint"]
-    baseline = run.header.get("baseline", "autoregressive")
+    baseline = baseline_of(run.header)
     summary = summarize(run.rows, baseline)
     base_rows = [r for r in run.rows if r["method"] == baseline]
     out = []

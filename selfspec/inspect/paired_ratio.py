@@ -21,7 +21,7 @@ from pathlib import Path
 
 from selfspec.engine.stats import DecodeStats
 from selfspec.errors import SelfSpecError
-from selfspec.eval.records import paired_speedup, read_jsonl, stats_of_row, summarize
+from selfspec.eval.records import baseline_of, paired_speedup, read_jsonl, stats_of_row, summarize
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,8 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     plain: list[dict] = []  # each run's baseline rows, for its plain step time
     for folder in folders:
         header, rows = read_jsonl(folder / "samples.jsonl")
-        baseline = (header or {}).get("baseline", "autoregressive")
-        plain.extend(r for r in rows if r.get("method") == baseline)
+        plain.extend(r for r in rows if r.get("method") == baseline_of(header))
         mine, base = ([r for r in rows if r.get("method") == m] for m in (args.method, args.base))
         if not mine or not base:
             raise SelfSpecError(f"{folder}: no rows of {args.method if not mine else args.base}")
@@ -52,20 +51,20 @@ def main(argv: list[str] | None = None) -> None:
     if len(folders) > 1:
         _line("all sets", *pooled, args.method, args.base, args.decode)
     if args.rounds:
+        base = DecodeStats.merged([stats_of_row(r) for r in plain]) if plain else None
         for name, rows in zip((args.method, args.base), pooled):
-            print(_round_cost(name, rows, plain))
+            print(_round_cost(name, rows, base))
 
 
-def _round_cost(name: str, rows: list[dict], plain: list[dict]) -> str:
+def _round_cost(name: str, rows: list[dict], base: DecodeStats | None) -> str:
     """One method's rounds over its rows: drafted tokens, drafting and verify time a round (ms), the verify in the
-    baseline rows' plain steps."""
+    plain steps of ``base`` (the baseline rows' merged counters)."""
     s = DecodeStats.merged([stats_of_row(r) for r in rows])
     if not s.rounds:
         return f"rounds of {name}: none"
     verify = s.verify_time / s.rounds
     line = (f"rounds of {name}: {s.rounds}, {s.drafted / s.rounds:.2f} drafted tokens, drafting "
             f"{1e3 * s.draft_time / s.rounds:.1f} ms and a verify {1e3 * verify:.1f} ms a round")
-    base = DecodeStats.merged([stats_of_row(r) for r in plain]) if plain else None
     if base is not None and base.plain_steps:
         line += f" ({verify / (base.step_time / base.plain_steps):.2f} of {base.method}'s steps)"
     return line
