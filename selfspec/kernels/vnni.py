@@ -17,9 +17,9 @@ so that groups of 128 and 256 take one integer sum per 64 packed bytes; on a 2-c
 at one row at g128 (docs/kernels.md).
 :func:`isa` says which build runs; the name ``int4-vnni`` stays the kernel's (its layout and its method).
 
-It is compiled on first use with torch's ``cpp_extension`` (g++ and ninja; ~30 s on 2 cores, once per machine and torch
-version) into the selfspec cache (``$SELFSPEC_CACHE/kernels``). The search
-starts the build in a thread (:func:`build_in_background`) while it fetches and loads the model.
+It is compiled on first use with torch's ``cpp_extension`` (g++ and ninja; ~30 s on 2 cores, once per machine and
+torch version) into the selfspec cache (``$SELFSPEC_CACHE/kernels``). The search starts the build in a thread
+(:func:`build_in_background`) while it fetches and loads the model.
 :func:`available` says whether it runs here: a Linux x86 CPU with AVX-512 F/BW/VL/VNNI, or with AVX2 and FMA, and a
 build that succeeded. Elsewhere, or with ``SELFSPEC_INT4_KERNEL=aten``, int4 drafts run torch's kernel (a failed
 build says so on stderr, once); runs record which (``int4_kernel`` in the machine fingerprint, ``draft_kernel`` in a

@@ -21,10 +21,10 @@
 // read once for its head group),
 // then o_proj's int4 product. h [R, E] bf16 -> [R, E'] bf16.
 at::Tensor draft_attention(const at::Tensor& h, const at::Tensor& qkv_w, const at::Tensor& qkv_sz,
-                              const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_w,
-                              const at::Tensor& o_sz, int64_t G, const at::Tensor& cos, const at::Tensor& sin,
-                              at::Tensor kc, at::Tensor vc, int64_t start, int64_t heads, int64_t kv_heads,
-                              double scale) {
+                           const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_w,
+                           const at::Tensor& o_sz, int64_t G, const at::Tensor& cos, const at::Tensor& sin,
+                           at::Tensor kc, at::Tensor vc, int64_t start, int64_t heads, int64_t kv_heads,
+                           double scale) {
   const int64_t R = h.size(0), D = kc.size(2), L = kc.size(1);
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kBFloat16 &&
               vc.sizes() == kc.sizes() && kc.size(0) == kv_heads, "kc, vc: contiguous bf16 [KVH, L, D]");
@@ -110,7 +110,7 @@ void silu_mul(const at::BFloat16* g, const at::BFloat16* u, at::BFloat16* out, i
 // product ([R, 2I]: gate rows, then up rows), silu(gate) * up rounded to bf16 as the module rounds each (vectorized, on
 // one thread: a parallel region costs more than the work), then down.
 at::Tensor draft_mlp(const at::Tensor& h, const at::Tensor& gu_w, const at::Tensor& gu_sz,
-                        const at::Tensor& down_w, const at::Tensor& down_sz, int64_t G) {
+                     const at::Tensor& down_w, const at::Tensor& down_sz, int64_t G) {
   at::Tensor gu = int4_mm(h, gu_w, gu_sz, G);
   const int64_t R = gu.size(0), I = gu.size(1) / 2;
   auto act = at::empty({R, I}, at::kBFloat16);
@@ -158,19 +158,19 @@ at::Tensor add_residual(const at::Tensor& h, at::Tensor y) {
 
 // A kept sublayer with its norm and residual (selfspec/draft/fused.py, FusedStep): h + sublayer(rms_norm(h)).
 at::Tensor draft_attention_block(const at::Tensor& h, const at::Tensor& norm_w, double eps,
-                                    const at::Tensor& qkv_w, const at::Tensor& qkv_sz,
-                                    const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_w,
-                                    const at::Tensor& o_sz, int64_t G, const at::Tensor& cos,
-                                    const at::Tensor& sin, at::Tensor kc, at::Tensor vc, int64_t start,
-                                    int64_t heads, int64_t kv_heads, double scale) {
+                                 const at::Tensor& qkv_w, const at::Tensor& qkv_sz,
+                                 const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_w,
+                                 const at::Tensor& o_sz, int64_t G, const at::Tensor& cos,
+                                 const at::Tensor& sin, at::Tensor kc, at::Tensor vc, int64_t start,
+                                 int64_t heads, int64_t kv_heads, double scale) {
   at::Tensor y = draft_attention(rms_norm(h, norm_w, eps), qkv_w, qkv_sz, qkv_bias, o_w, o_sz, G, cos, sin, kc, vc,
-                                    start, heads, kv_heads, scale);
+                                 start, heads, kv_heads, scale);
   return add_residual(h, y);
 }
 
 at::Tensor draft_mlp_block(const at::Tensor& h, const at::Tensor& norm_w, double eps,
-                              const at::Tensor& gu_w, const at::Tensor& gu_sz, const at::Tensor& down_w,
-                              const at::Tensor& down_sz, int64_t G) {
+                           const at::Tensor& gu_w, const at::Tensor& gu_sz, const at::Tensor& down_w,
+                           const at::Tensor& down_sz, int64_t G) {
   return add_residual(h, draft_mlp(rms_norm(h, norm_w, eps), gu_w, gu_sz, down_w, down_sz, G));
 }
 

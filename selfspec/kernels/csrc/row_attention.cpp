@@ -147,7 +147,7 @@ void attend_heads(const float* qf, int64_t heads, const at::BFloat16* K, const a
 }  // namespace selfspec
 
 at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& count, const c10::optional<at::Tensor>& index, double scale) {
+                         const at::Tensor& count, const c10::optional<at::Tensor>& index, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [H, R, D], k and v [KVH, L, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
               v.scalar_type() == at::kBFloat16, "bf16 q, k, v");
