@@ -60,10 +60,10 @@ def main(cfg: DictConfig) -> None:
         # compiler runs while the prompts and the model are fetched and loaded (docs/log.md)
         int4 = "int4" in settings.space.weights + settings.space.head_weights and cfg.model.device == "cpu"
         build = vnni.build_in_background() if int4 else None
-        # likewise the full model's kernel: ours on AMX tiles on a CPU with AMX, else our fp16 kernel where the packed
-        # forwards run on fp16 copies (an AVX2 CPU; ~20 s on a Zen 3)
+        # likewise the full model's kernel: our bf16 panels on a CPU with AMX or AVX-512 BF16, else our fp16 kernel
+        # where the packed forwards run on fp16 copies (an AVX2 CPU; ~20 s on a Zen 3)
         cpu = cfg.model.device == "cpu"
-        build16 = (amx.build_in_background() if cpu and amx.cpu_has_amx() else
+        build16 = (amx.build_in_background() if cpu and amx.cpu_can_build() else
                    fp16.build_in_background() if cpu and pack_format() == "fp16" else None)
         prompts = prompt_set_from_config(dataset_config(cfg), cfg.model.cache_dir)
         lm = load_model(cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=cfg.model.cache_dir)

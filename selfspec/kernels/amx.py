@@ -1,4 +1,5 @@
-"""Our bf16 product on AMX tiles for the packed forwards on a CPU with AMX (``csrc/amx_bf16.cpp``).
+"""Our bf16 product on AMX tiles for the packed forwards on a CPU with AMX, or on AVX-512's bf16 dot product on a CPU
+with AVX-512 BF16 and no AMX (``csrc/amx_bf16.cpp``).
 
 On a Xeon with AMX the full model's one-row steps and verifies ran on our fp16 panels (:mod:`selfspec.kernels.fp16`),
 whose fp32 FMAs made each row of a verify cost more: a 6-row forward of the 1.5B took 1.12 one-row steps there. This
@@ -8,9 +9,15 @@ are exact in fp32, so its sums are those of the stock bf16 kernel up to their or
 in the same order whatever the call's row count, so a row computes the same bits in a one-row step as in a verify
 (row-invariant, docs/numerics.md).
 
+On a Zen 4 (AVX-512 BF16, no tiles) the ``dot`` build runs the same panels on ``vdpbf16ps``: a pair of inputs for 16
+outputs an instruction, one accumulator a row and 16 outputs, summed over the pairs in order, so it is row-invariant
+too. There a one-row forward of the 1.5B took 0.70 of oneDNN's (padded to 6 rows for exactness) and 0.92 of the fp16
+panels', and a 6-row one as long as oneDNN's (docs/kernels.md).
+
 It is compiled on first use like the int4 kernel (:func:`selfspec.kernels.vnni.compile_extension`) and needs AMX-BF16
-and a Linux that grants the process AMX's tile state (asked for once, ``arch_prctl``). :func:`available` says whether it
-runs here; ``SELFSPEC_AMX_KERNEL=off`` keeps the fp16 panels. The kernel that ran is recorded (``packed_weights`` in
+and a Linux that grants the process AMX's tile state (asked for once, ``arch_prctl``), or for the ``dot`` build
+AVX-512 BF16. :func:`available` says whether it runs here; ``SELFSPEC_AMX_KERNEL=off`` keeps the fp16 panels (on AMX)
+or oneDNN. The kernel that ran is recorded (``packed_weights`` in
 a run's decode settings, ``kernels`` in the machine fingerprint), so runs and cost models of the two never mix.
 """
 
@@ -25,11 +32,20 @@ import torch
 from selfspec.kernels import hugepages, vnni
 
 SOURCE = Path(__file__).parent / "csrc" / "amx_bf16.cpp"
-NEEDS = ("amx_tile", "amx_bf16", "avx512f")  # the CPU flags it needs
+NEEDS = ("amx_tile", "amx_bf16", "avx512f")  # the CPU flags the tile build needs
+# the builds, best first: name -> (the CPU flags it needs, the compiler's flags); "dot" runs the same panels on AVX-512's
+# bf16 dot product where a CPU has no tiles (a Zen 4), with the same row-invariant sums per row
+BUILDS = {"amx": (NEEDS, ("-mavx512f", "-mamx-tile", "-mamx-bf16")),
+          "dot": (("avx512f", "avx512_bf16"), ("-mavx512f", "-mavx512bf16"))}
 REVISION = 1  # a change that moves its speed is a new revision: cost models timed on another re-measure
 PANEL = 16  # outputs per panel
 KB = 32  # inputs per tile product: a weight's inputs are padded to a multiple
 ENV = "SELFSPEC_AMX_KERNEL"  # off: never use this kernel
+
+
+def cpu_can_build() -> bool:
+    """Whether this CPU's flags name those of one of :data:`BUILDS` (AMX tiles, or AVX-512 BF16)."""
+    return any(all(flag in vnni.cpu_flags() for flag in needs) for needs, _ in BUILDS.values())
 
 
 def cpu_has_amx() -> bool:
@@ -48,8 +64,9 @@ def unavailable_reason() -> str | None:
 
 
 def label() -> str:
-    """The kernel's name in records: ``amx r<revision>``."""
-    return f"amx r{REVISION}"
+    """The kernel's name in records: ``amx r<revision>`` on tiles, ``bf16 dot r<revision>`` for the dot-product
+    build."""
+    return f"bf16 dot r{REVISION}" if _KERNEL.load()[2] == "dot" else f"amx r{REVISION}"
 
 
 def build_in_background() -> threading.Thread:
@@ -59,16 +76,17 @@ def build_in_background() -> threading.Thread:
 
 @functools.cache
 def _load_once():
-    module, reason, name = vnni.load_kernel(ENV, "off", {"amx": NEEDS}, build,
-                                            "packed products run on our fp16 panels, not on AMX tiles")
+    module, reason, name = vnni.load_kernel(ENV, "off", {name: needs for name, (needs, _) in BUILDS.items()}, build,
+                                            "packed products run on our fp16 panels or oneDNN, not on bf16 panels")
     if module is not None and not module.permitted():
         return None, "Linux did not grant this process AMX's tile state (arch_prctl)", None
     return module, reason, name
 
 
 def build(name: str = "amx"):
-    """Compile (or load the cached) kernel; its operators, ``torch.ops.selfspec_amx``."""
-    vnni.compile_extension(SOURCE, "amx_bf16", ["-O3", "-fopenmp", "-mavx512f", "-mamx-tile", "-mamx-bf16"])
+    """Compile (or load the cached) build ``name`` of :data:`BUILDS`; its operators, ``torch.ops.selfspec_amx``."""
+    suffix = "" if name == "amx" else f"-{name}"  # the tile build keeps the folder it had
+    vnni.compile_extension(SOURCE, f"amx_bf16{suffix}", ["-O3", "-fopenmp", *BUILDS[name][1]])
     return torch.ops.selfspec_amx
 
 

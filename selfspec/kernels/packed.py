@@ -10,25 +10,24 @@ the result is bit-identical to ``nn.Linear``'s, so decoding with packed weights 
 transformers class is patched) and keeps the packed copies; they are used only inside ``with packer.packed():``,
 which both of our decoding methods enter, so the autoregressive baseline and self-speculative decoding share the
 same forward path. Outside the block every linear computes exactly as before (the transformers baselines in the same
-process run the stock model). The copies are extra memory (:attr:`WeightPacker.extra_bytes`); only bf16 weights on
-CPU are packed, everything else runs as loaded.
+process run the stock model). The copies are extra memory (:attr:`WeightPacker.extra_bytes`); only bf16 CPU weights.
 
 oneDNN prepacks bf16 only on CPUs with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT (:func:`packing_supported`). On others
 (an AVX2-only CPU, e.g. a Zen 3 EPYC) the stock bf16 kernel is slow for one row and costs about as much per extra
-row as for the first (a 6-row forward of the 1.5B ran 4.8x a one-row step there), which would make every verify pass
-as dear as several plain steps. There (:func:`pack_format` ``fp16``) each bf16 weight gets an fp16 copy, used for
-every input: the packed products read fp16 weights, accumulate in fp32 and are rounded back to bf16. Our kernel
-computes them where it builds (:mod:`selfspec.kernels.fp16`: panels of 16 outputs, read once for all rows of a
-forward, docs/kernels.md); else fbgemm's (``torch.ops.quantized.linear_prepack_fp16``), which reads the weights again
-for every 6 rows (:func:`fp16_kernel` says which). The copy is taken only where it holds the bf16 values exactly (a
+row as for the first (a 6-row forward of the 1.5B ran 4.8x a one-row step there). There (:func:`pack_format`
+``fp16``) each bf16 weight gets an fp16 copy, used for every input: the packed products read fp16 weights, accumulate
+in fp32 and are rounded back to bf16. Our kernel computes them where it builds (:mod:`selfspec.kernels.fp16`: panels
+of 16 outputs, read once for all rows of a forward); else fbgemm's, which reads the weights again for every 6 rows
+(:func:`fp16_kernel` says which). The copy is taken only where it holds the bf16 values exactly (a
 bf16 value below 2**-17 may not fit fp16's subnormals; Qwen2.5-Coder-1.5B has none); a weight that does not fit keeps
 its bf16 values in our kernel's panels (the same sums, so verifies stay row-invariant), or gets an fp32 copy for
 oneDNN's fp32 kernel under fbgemm. The results are the stock kernel's numbers up to the order of the sums. The copies
 take the bf16 weights' memory again. Without fbgemm (``fp32``) every weight gets the fp32 copy, used for inputs of
 :data:`FP32_MIN_ROWS` rows or more, at twice the bf16 weights' memory. Each method records which kernels it ran on
-(``kernels``), and a line on stderr says so once. On a CPU with AMX (a Xeon) the bf16 weights go into our AMX kernel's
-panels (``amx``, :mod:`selfspec.kernels.amx`), or where it does not run get fp16 copies on our fp16 kernel's AVX-512
-build; a prefill's products go to oneDNN (:data:`PREFILL_MIN_ROWS`). ``SELFSPEC_PACK=bf16|fp16|amx`` asks for one.
+(``kernels``), and a line on stderr says so once. On a CPU with AMX (a Xeon) or AVX-512 BF16 (a Zen 4) the bf16
+weights go into our kernel's VNNI panels (``amx``, :mod:`selfspec.kernels.amx`: AMX tiles, or AVX-512's bf16 dot
+product), or where it does not run on an AMX CPU get fp16 copies on our fp16 kernel's AVX-512 build; a prefill's
+products go to oneDNN (:data:`PREFILL_MIN_ROWS`). ``SELFSPEC_PACK=bf16|fp16|amx`` asks for one.
 
 ``keep_dense=False`` frees the dense weights once packed; only the packed copies of weights that must stay dense are
 then extra: a weight shared with another module (tied embeddings) and the LM head's, whose rows the draft's cut head
@@ -90,20 +89,19 @@ PACK_ENV = "SELFSPEC_PACK"  # bf16, fp16 or amx: the full model's packing whatev
 
 @functools.cache
 def pack_format() -> str | None:
-    """How bf16 weights are packed here: ``amx`` (our AMX tile kernel, :mod:`selfspec.kernels.amx`) where it runs,
-    ``bf16`` where oneDNN packs them but not with AMX; else ``fp16`` (exact fp16 copies, on our kernel or fbgemm's:
-    :func:`fp16_kernel`; also on an AMX CPU where our AMX kernel does not run) or, without fbgemm, ``fp32`` (copies for
-    oneDNN's fp32 kernel, for inputs of :data:`FP32_MIN_ROWS` rows or more); None with neither. :data:`PACK_ENV` may
-    ask for one."""
+    """How bf16 weights are packed here: ``amx`` (our bf16 VNNI panels on AMX tiles or AVX-512 BF16,
+    :mod:`selfspec.kernels.amx`) where they run and oneDNN packs bf16, else ``bf16`` where oneDNN packs them; else
+    ``fp16`` (exact fp16 copies, on our kernel or fbgemm's: :func:`fp16_kernel`; also on an AMX CPU where our AMX
+    kernel does not run) or, without fbgemm, ``fp32`` (copies for oneDNN's fp32 kernel, for :data:`FP32_MIN_ROWS` rows
+    or more); None with neither. :data:`PACK_ENV` may ask for one."""
     asked = os.environ.get(PACK_ENV, "")
     if asked not in ("", "bf16", "fp16", "amx"):
         raise SelfSpecError(f"{PACK_ENV}={asked}: bf16 (oneDNN), fp16 (exact fp16 copies) or amx, or unset")
     if asked == "amx" and not amx.available():
         raise SelfSpecError(f"{PACK_ENV}=amx: our AMX kernel does not run here ({amx.unavailable_reason()})")
-    on_amx = not asked and packing_supported() and amx.cpu_has_amx()
-    if asked == "amx" or (on_amx and amx.available()):
-        return "amx"  # one-row steps and verifies both faster than on the fp16 panels (docs/kernels.md)
-    if asked == "fp16" or on_amx:
+    if asked == "amx" or (not asked and packing_supported() and amx.available()):
+        return "amx"  # one-row steps faster than on the fp16 panels (AMX) and on oneDNN's bf16 (docs/kernels.md)
+    if asked == "fp16" or (not asked and packing_supported() and amx.cpu_has_amx()):
         return "fp16"  # on AMX: our panels' one-row products beat oneDNN's bf16 ones (docs/kernels.md)
     if packing_supported():
         return "bf16"
@@ -131,11 +129,13 @@ def pack_label() -> str | None:
 
 
 def default_rows() -> int:
-    """The padded width of our loop's full-model forwards (``DecodeConfig.rows``) by CPU: 6 where bf16 weights are
-    packed and a one-row product takes other bits than wider ones (:func:`widths.one_row_exact`; on the Zen 4 the
-    packed kernels also read the weights faster over 4-6 rows: results/padded_rows.jsonl), else 1 (every extra row
-    then costs: 0.97x at 6 rows on a Xeon with AMX, and :data:`FP32_MIN_ROWS`)."""
-    return 6 if pack_format() == "bf16" and not widths.one_row_exact() else 1
+    """Our loop's full-model forwards' padded width (``DecodeConfig.rows``): :func:`bf16_rows` on oneDNN's bf16, else 1."""
+    return bf16_rows() if pack_format() == "bf16" else 1
+
+
+def bf16_rows() -> int:
+    """6 where a one-row product on oneDNN's bf16 packs takes other bits than wider ones (a Zen 4), else 1."""
+    return 1 if widths.one_row_exact() else 6
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -224,7 +224,7 @@ class PackedLinear(LinearWrapper):
         # bf16: the width each product runs at so that its rows get the bits they get in any other (widths.py)
         bias = None if inner.bias is None else inner.bias.detach()
         self.widths = () if self.kind != "bf16" else widths.pad_table(
-            self.packed, bias, self.out_features, self.in_features, default_rows())
+            self.packed, bias, self.out_features, self.in_features, bf16_rows())
         self.dense = True
         self.pinned = pinned  # the dense weight must stay (shared with another module, or the LM head's)
         self.requires_grad = inner.weight.requires_grad

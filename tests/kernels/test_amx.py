@@ -1,6 +1,7 @@
-"""Our AMX tile kernel (selfspec.kernels.amx): the layout round trip, products against fp64 over the row counts and
-shapes its tiles split differently, row-invariance, and a model packed for it decoding greedily as our loop does on
-its weights as loaded. Skipped where the kernel does not run (a CPU without AMX, a Linux that does not grant it)."""
+"""Our bf16 panel kernel (selfspec.kernels.amx), on AMX tiles or AVX-512's bf16 dot product, whichever build runs
+here: the layout round trip, products against fp64 over the row counts and shapes its tiles and register blocks split
+differently, row-invariance, and a model packed for it decoding greedily as our loop does on its weights as loaded.
+Skipped where neither build runs (a CPU without AMX or AVX-512 BF16, a Linux that does not grant the tiles)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def test_shapes_that_do_not_fit_are_refused():
 @pytest.mark.parametrize("n, k", [(40, 300), (256, 1536), (72, 8960)])
 def test_every_row_computes_the_same_bits_whatever_the_call_s_row_count(n, k):
     """Row-invariance, which exact greedy verifies rest on: row i of an m-row call equals a one-row call on it, for
-    calls within one tile's 16 rows and beyond them (16 rows a block: 17-40 rows, full blocks and partial ones)."""
+    calls within one tile's 16 rows and beyond them (16 rows a block: 17-40 rows, full blocks and partial ones; the
+    dot build's blocks of 6 rows on 4 panels and of 12 on 2, with a weight's last panels one at a time)."""
     panels = amx.pack(_weight(n, k, 5))
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     ones = [amx.linear(x[i:i + 1], panels, None, n) for i in range(40)]

@@ -238,9 +238,11 @@ AMX = {"avx512f", "amx_tile", "amx_bf16"}
 
 @pytest.mark.parametrize("flags, runs, asked, want", [
     ({"avx512f"}, False, "", "bf16"), (AMX, True, "", "amx"), (AMX, False, "", "fp16"), (AMX, True, "bf16", "bf16"),
+    ({"avx512f", "avx512_bf16"}, True, "", "amx"), ({"avx512f", "avx512_bf16"}, False, "", "bf16"),
     (AMX, True, "fp16", "fp16"), ({"avx512f"}, False, "fp16", "fp16"), ({"avx512f"}, True, "amx", "amx")])
 def test_a_cpu_with_amx_packs_the_full_model_for_our_amx_kernel_where_it_runs(monkeypatch, flags, runs, asked, want):
-    """AMX tiles where the kernel runs (else the fp16 panels); whatever the CPU, what SELFSPEC_PACK asks for."""
+    """Our bf16 panels where the kernel runs (AMX tiles or AVX-512 BF16; else the fp16 panels on AMX, oneDNN without);
+    whatever the CPU, what SELFSPEC_PACK asks for."""
     from selfspec.kernels import amx, vnni
 
     monkeypatch.setattr(packed_module, "packing_supported", lambda: True)

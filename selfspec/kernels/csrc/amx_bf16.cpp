@@ -19,6 +19,12 @@
 //
 // Linux hands out AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once a process): permitted()
 // asks, and the Python side uses the kernel only where it was granted.
+//
+// Built without AMX (-mavx512bf16, a CPU with AVX-512 BF16 and no tiles, e.g. a Zen 4), the same panels run on
+// AVX-512's bf16 dot product (_mm512_dpbf16_ps: a pair of inputs for 16 outputs an instruction): one accumulator a
+// row and 16 outputs, summed over the input pairs in order from zero, so a row's bits again do not depend on the
+// other rows of the call. A pass holds up to 4 panels x 6 rows (or 2 x 12, 1 x 12) of accumulators in registers and
+// loads each line of a panel once for all of them.
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
@@ -29,6 +35,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <cstring>
 
 namespace {
@@ -38,6 +46,7 @@ constexpr int PANELS = 4;           // panels a pass, one accumulator tile each 
 constexpr int ROWS = 16;            // rows a tile holds
 constexpr int PF_AHEAD = 4096;      // every line of a block this far ahead is prefetched (1 KiB ahead read slower)
 
+#ifdef __AMX_TILE__
 struct alignas(64) TileConfig {
   uint8_t palette, start_row;
   uint8_t reserved[14];
@@ -94,6 +103,45 @@ void pass(const uint16_t* x, int64_t kp, const uint16_t* w, int64_t pstride, flo
   if constexpr (NP > 3) _tile_stored(3, c + 48, 256);
 }
 
+#else
+bool permitted() { return true; }  // the dot-product build needs no tile state
+
+// c [R, NP * 16] (row m's outputs at c + m * NP * 16) = x [R, Kp] against NP panels (panel q at w + q * pstride):
+// one accumulator a row and 16 outputs, the input pairs in order
+template <int NP, int R>
+void dot_pass(const uint16_t* x, int64_t kp, const uint16_t* w, int64_t pstride, float* c) {
+  __m512 acc[NP][R];
+  for (int q = 0; q < NP; ++q)
+    for (int m = 0; m < R; ++m) acc[q][m] = _mm512_setzero_ps();
+  const int64_t pairs = kp / 2;
+  const int32_t* xi = reinterpret_cast<const int32_t*>(x);
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    __m512bh wv[NP];
+    for (int q = 0; q < NP; ++q) {
+      const uint16_t* line = w + q * pstride + kk * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(line) + PF_AHEAD, _MM_HINT_T0);
+      wv[q] = (__m512bh)_mm512_loadu_si512(line);
+    }
+    for (int m = 0; m < R; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xi[m * pairs + kk]);
+      for (int q = 0; q < NP; ++q) acc[q][m] = _mm512_dpbf16_ps(acc[q][m], wv[q], xv);
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int q = 0; q < NP; ++q) _mm512_storeu_ps(c + m * NP * 16 + q * 16, acc[q][m]);
+}
+
+using DotPass = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
+
+template <int NP, int... Rs>
+constexpr std::array<DotPass, sizeof...(Rs)> dot_table(std::integer_sequence<int, Rs...>) {
+  return {&dot_pass<NP, Rs + 1>...};
+}
+constexpr auto DOT4 = dot_table<4>(std::make_integer_sequence<int, 6>{});   // 4 panels, 1-6 rows
+constexpr auto DOT2 = dot_table<2>(std::make_integer_sequence<int, 12>{});  // 2 panels, 1-12 rows
+constexpr auto DOT1 = dot_table<1>(std::make_integer_sequence<int, 12>{});  // a last panel, 1-12 rows
+#endif
+
 at::Tensor amx_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n_out) {
   TORCH_CHECK(permitted(), "amx_mm: this process may not use AMX tiles (arch_prctl refused)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_mm: x bf16 [M, K]");
@@ -111,30 +159,54 @@ at::Tensor amx_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   const uint16_t* ws = reinterpret_cast<const uint16_t*>(w.data_ptr());
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t pstride = kp * 16, groups = (P + PANELS - 1) / PANELS;
+  const int64_t pstride = kp * 16;
+#ifdef __AMX_TILE__
+  const int64_t per_pass = PANELS, row_block = ROWS;
+#else
+  const int64_t per_pass = M <= 6 ? 4 : 2, row_block = M <= 6 ? 6 : 12;
+#endif
+  const int64_t groups = (P + per_pass - 1) / per_pass;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     alignas(64) float c[ROWS * 64];
+#ifdef __AMX_TILE__
     int configured = 0;
+#endif
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p = g * PANELS, np = std::min<int64_t>(PANELS, P - p);
+      const int64_t p = g * per_pass, np = std::min<int64_t>(per_pass, P - p);
       const int64_t n0 = p * 16, nn = std::min<int64_t>(np * 16, n_out - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-        const int rows = static_cast<int>(std::min<int64_t>(ROWS, M - m0));
-        if (rows != configured) configure(configured = rows);
+      for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+        const int rows = static_cast<int>(std::min<int64_t>(row_block, M - m0));
         const uint16_t* xr = xs + m0 * kp;
         const uint16_t* wp = ws + p * pstride;
+#ifdef __AMX_TILE__
+        if (rows != configured) configure(configured = rows);
         switch (np) {
           case 4: pass<4>(xr, kp, wp, pstride, c); break;
           case 3: pass<3>(xr, kp, wp, pstride, c); break;
           case 2: pass<2>(xr, kp, wp, pstride, c); break;
           default: pass<1>(xr, kp, wp, pstride, c);
         }
+        const int64_t stride = 64;
+#else
+        if (np == per_pass) {
+          (per_pass == 4 ? DOT4[rows - 1] : DOT2[rows - 1])(xr, kp, wp, pstride, c);
+        } else {  // the last panels of a weight whose panels do not fill a pass: one at a time
+          for (int64_t q = 0; q < np; ++q) {
+            alignas(64) float one[12 * 16];
+            DOT1[rows - 1](xr, kp, wp + q * pstride, pstride, one);
+            for (int m = 0; m < rows; ++m) std::memcpy(c + m * np * 16 + q * 16, one + m * 16, 64);
+          }
+        }
+        const int64_t stride = np * 16;
+#endif
         for (int m = 0; m < rows; ++m)
           for (int64_t j = 0; j < nn; ++j)
-            op[(m0 + m) * n_out + n0 + j] = c10::BFloat16(c[m * 64 + j] + (bp ? bp[n0 + j] : 0.f));
+            op[(m0 + m) * n_out + n0 + j] = c10::BFloat16(c[m * stride + j] + (bp ? bp[n0 + j] : 0.f));
       }
     }
+#ifdef __AMX_TILE__
     if (configured) _tile_release();
+#endif
   });
   return out;
 }
