@@ -11,8 +11,8 @@ in the same order whatever the call's row count, so a row computes the same bits
 
 On a Zen 4 (AVX-512 BF16, no tiles) the ``dot`` build runs the same panels on ``vdpbf16ps``: a pair of inputs for 16
 outputs an instruction, one accumulator a row and 16 outputs, summed over the pairs in order, so it is row-invariant
-too. There a one-row forward of the 1.5B took 0.70 of oneDNN's (padded to 6 rows for exactness) and 0.92 of the fp16
-panels', and a 6-row one as long as oneDNN's (docs/kernels.md).
+too. There a one-row forward of the 1.5B took 0.73 of oneDNN's and 0.96 of the fp16 panels', a 6-row one 0.90 and
+0.68 of theirs (docs/kernels.md).
 
 It is compiled on first use like the int4 kernel (:func:`selfspec.kernels.vnni.compile_extension`) and needs AMX-BF16
 and a Linux that grants the process AMX's tile state (asked for once, ``arch_prctl``), or for the ``dot`` build

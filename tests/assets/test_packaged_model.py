@@ -37,11 +37,12 @@ def test_packaged_model_metadata(smollm):
 
 def test_greedy_chains_and_trees_equal_autoregressive_token_for_token_in_bf16():
     """bf16 as loaded, the defaults (nothing set): every full-model forward is row-invariant where the CPU packs
-    bf16 weights or runs our fp16 panels or AMX tiles (docs/numerics.md), so greedy output is AR's whatever the draft."""
+    bf16 weights or runs our fp16 panels or bf16 panels (AMX tiles, AVX-512 dot products; docs/numerics.md), so greedy
+    output is AR's whatever the draft."""
     from selfspec.draft.path import DraftOptions, DraftPath
     from selfspec.kernels.packed import pack_label
 
-    if pack_label() != "bf16" and not str(pack_label()).startswith(("fp16 panels", "amx")):
+    if pack_label() != "bf16" and not str(pack_label()).startswith(("fp16 panels", "amx", "bf16 dot")):
         pytest.skip(f"this CPU's linear kernels ({pack_label()}) are not checked row-invariant (docs/numerics.md)")
     lm = load_model("smollm2-135m")
     prompts = ["Write a Python function that returns the n-th Fibonacci number.",
