@@ -106,10 +106,10 @@ void pass(const uint16_t* x, int64_t kp, const uint16_t* w, int64_t pstride, flo
 #else
 bool permitted() { return true; }  // the dot-product build needs no tile state
 
-// c [R, NP * 16] (row m's outputs at c + m * NP * 16) = x [R, Kp] against NP panels (panel q at w + q * pstride):
+// c [R, NP * 16] (row m's outputs at c + m * ldc) = x [R, Kp] against NP panels (panel q at w + q * pstride):
 // one accumulator a row and 16 outputs, the input pairs in order
 template <int NP, int R>
-void dot_pass(const uint16_t* x, int64_t kp, const uint16_t* w, int64_t pstride, float* c) {
+void dot_pass(const uint16_t* x, int64_t kp, const uint16_t* w, int64_t pstride, float* c, int64_t ldc) {
   __m512 acc[NP][R];
   for (int q = 0; q < NP; ++q)
     for (int m = 0; m < R; ++m) acc[q][m] = _mm512_setzero_ps();
@@ -128,10 +128,10 @@ void dot_pass(const uint16_t* x, int64_t kp, const uint16_t* w, int64_t pstride,
     }
   }
   for (int m = 0; m < R; ++m)
-    for (int q = 0; q < NP; ++q) _mm512_storeu_ps(c + m * NP * 16 + q * 16, acc[q][m]);
+    for (int q = 0; q < NP; ++q) _mm512_storeu_ps(c + m * ldc + q * 16, acc[q][m]);
 }
 
-using DotPass = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
+using DotPass = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
 
 template <int NP, int... Rs>
 constexpr std::array<DotPass, sizeof...(Rs)> dot_table(std::integer_sequence<int, Rs...>) {
@@ -188,16 +188,11 @@ at::Tensor amx_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<
         }
         const int64_t stride = 64;
 #else
-        if (np == per_pass) {
-          (per_pass == 4 ? DOT4[rows - 1] : DOT2[rows - 1])(xr, kp, wp, pstride, c);
-        } else {  // the last panels of a weight whose panels do not fill a pass: one at a time
-          for (int64_t q = 0; q < np; ++q) {
-            alignas(64) float one[12 * 16];
-            DOT1[rows - 1](xr, kp, wp + q * pstride, pstride, one);
-            for (int m = 0; m < rows; ++m) std::memcpy(c + m * np * 16 + q * 16, one + m * 16, 64);
-          }
-        }
         const int64_t stride = np * 16;
+        if (np == per_pass)
+          (per_pass == 4 ? DOT4[rows - 1] : DOT2[rows - 1])(xr, kp, wp, pstride, c, stride);
+        else  // the last panels of a weight whose panels do not fill a pass: one at a time
+          for (int64_t q = 0; q < np; ++q) DOT1[rows - 1](xr, kp, wp + q * pstride, pstride, c + q * 16, stride);
 #endif
         for (int m = 0; m < rows; ++m)
           for (int64_t j = 0; j < nn; ++j)
