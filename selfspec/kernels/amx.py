@@ -37,6 +37,7 @@ NEEDS = ("amx_tile", "amx_bf16", "avx512f")  # the CPU flags the tile build need
 # bf16 dot product where a CPU has no tiles (a Zen 4), with the same row-invariant sums per row
 BUILDS = {"amx": (NEEDS, ("-mavx512f", "-mamx-tile", "-mamx-bf16")),
           "dot": (("avx512f", "avx512_bf16"), ("-mavx512f", "-mavx512bf16"))}
+BUILD_NEEDS = {name: needs for name, (needs, _) in BUILDS.items()}  # name -> the CPU flags it needs
 REVISION = 1  # a change that moves its speed is a new revision: cost models timed on another re-measure
 PANEL = 16  # outputs per panel
 KB = 32  # inputs per tile product: a weight's inputs are padded to a multiple
@@ -45,7 +46,7 @@ ENV = "SELFSPEC_AMX_KERNEL"  # off: never use this kernel
 
 def cpu_can_build() -> bool:
     """Whether this CPU's flags name those of one of :data:`BUILDS` (AMX tiles, or AVX-512 BF16)."""
-    return any(all(flag in vnni.cpu_flags() for flag in needs) for needs, _ in BUILDS.values())
+    return vnni.best_build(BUILD_NEEDS) is not None
 
 
 def cpu_has_amx() -> bool:
@@ -76,7 +77,7 @@ def build_in_background() -> threading.Thread:
 
 @functools.cache
 def _load_once():
-    module, reason, name = vnni.load_kernel(ENV, "off", {name: needs for name, (needs, _) in BUILDS.items()}, build,
+    module, reason, name = vnni.load_kernel(ENV, "off", BUILD_NEEDS, build,
                                             "packed products run on our fp16 panels or oneDNN, not on bf16 panels")
     if module is not None and not module.permitted():
         return None, "Linux did not grant this process AMX's tile state (arch_prctl)", None

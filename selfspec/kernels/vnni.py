@@ -125,6 +125,12 @@ class LazyKernel:
         return thread
 
 
+def best_build(builds: dict[str, tuple[str, ...]]) -> str | None:
+    """The first of ``builds`` (name -> CPU flags, best first) whose flags this CPU has, or None."""
+    flags = cpu_flags()
+    return next((name for name, needs in builds.items() if all(f in flags for f in needs)), None)
+
+
 def load_kernel(env: str, off: str, builds: dict[str, tuple[str, ...]], build: Callable[[str], object],
                 fallback: str) -> tuple:
     """``(module, None, build name)`` or ``(None, why not, None)`` for a kernel compiled on first use: off where the
@@ -135,10 +141,9 @@ def load_kernel(env: str, off: str, builds: dict[str, tuple[str, ...]], build: C
         return None, f"{env}={off}", None
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"not an x86-64 CPU ({platform.machine()})", None
-    flags = cpu_flags()
-    name = next((name for name, needs in builds.items() if all(f in flags for f in needs)), None)
+    name = best_build(builds)
     if name is None:
-        missing = [f for f in list(builds.values())[-1] if f not in flags]
+        missing = [f for f in list(builds.values())[-1] if f not in cpu_flags()]
         return None, f"the CPU lacks {', '.join(missing)}", None
     try:
         module = build(name)
