@@ -5,15 +5,15 @@ floating point; for one row it reads about 38 G weights/s on a 2-core Zen 4, whe
 (int4 is 0.5 byte a weight). llama.cpp's way is faster: round the activations to int8 (one scale per block of
 inputs, :data:`ACT_BLOCKS`) and sum the products of bytes in integers (``vpdpbusd``, 64 multiply-adds an
 instruction). This kernel does that for the draft's int4 copies. The weights are the same int4 values as torch's
-kernel's (the same groups, scales and zero points, in another layout); only the activations are rounded, to 8 bits,
-which adds 0.65% (blocks of 64) or 0.77% (blocks of 128) relative error to a product whose int4 weights are off by
+kernel's (the same groups, scales and zero points, in another layout); only the activations are rounded, to 8 bits
+with one scale per 128 inputs, which adds 0.77% relative error (0.65% with blocks of 64) to a product whose int4 weights are off by
 several percent already (medians over the 1.5B's linears on their own inputs, against float64 products of the same
 int4 weights; a bf16 output alone carries 0.17%: ``scripts/draft_kernels.py``, which also measures the agreement
 with the full model, docs/kernels.md).
 
 On a CPU without AVX-512 VNNI but with AVX2 and FMA (a Zen 3, say) the same kernel is built for 256-bit vectors,
-with ``vpmaddubsw`` + ``vpmaddwd`` in place of ``vpdpbusd``, and one activation scale per 128 inputs instead of 64,
-so that groups of 128 and 256 take one integer sum per 64 packed bytes; on a 2-core Zen 3 it reads ~41 G int4 weights/s
+with ``vpmaddubsw`` + ``vpmaddwd`` in place of ``vpdpbusd``; on both builds groups of 128 and 256 take one integer
+sum per 64 packed bytes (one conversion and one multiply-add); on a 2-core Zen 3 it reads ~41 G int4 weights/s
 at one row at g128 (docs/kernels.md).
 :func:`isa` says which build runs; the name ``int4-vnni`` stays the kernel's (its layout and its method).
 
@@ -59,11 +59,12 @@ BUILDS = {"avx512-vnni": (("fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnn
 # vectors; avx2 r6: groups of 32 take their zero points' term as one dot product a row; avx2 r7: one activation
 # scale per 128 inputs, and groups of 128 and 256 take one integer sum per 128 inputs; avx512-vnni r5: a second
 # prefetch, into L2, 16 KiB ahead; avx512-vnni r6, avx2 r8: the row attention reads each value once for a head group
-# and adds a block of keys' score lanes together, the same bits, docs/log.md)
-REVISIONS = {"avx512-vnni": 6, "avx2": 8}
-# inputs per activation scale (the activations' int8 rounding): one vpdpbusd's 64 on AVX-512, 128 on AVX2, where
-# one scale for 64 packed bytes' 128 inputs halves the integer sums' widening and conversions (kernels.md)
-ACT_BLOCKS = {"avx512-vnni": 64, "avx2": 128}
+# and adds a block of keys' score lanes together, the same bits; avx512-vnni r7: avx2 r7's one activation scale per
+# 128 inputs and one integer sum per 128 inputs for groups of 128 and 256, docs/log.md)
+REVISIONS = {"avx512-vnni": 7, "avx2": 8}
+# inputs per activation scale (the activations' int8 rounding): 128, so that the integer sums of 64 packed bytes meet
+# before one conversion and one multiply-add (kernels.md)
+ACT_BLOCKS = {"avx512-vnni": 128, "avx2": 128}
 BLOCK = 128  # inputs per 64 packed bytes
 GROUPS = (32, 64, 128, 256)  # the kernel's int4 group sizes
 ENV = "SELFSPEC_INT4_KERNEL"  # aten: never use this kernel

@@ -1,28 +1,28 @@
-// The int4 product's AVX-512 VNNI build: the activations' int8 rounding in blocks of 64 and the row kernels on
-// _mm512_dpbusd_epi32. int4_vnni.cpp includes it inside its namespace, after ACT_BLOCK and PREFETCH_BYTES.
+// The int4 product's AVX-512 VNNI build: the activations' int8 rounding with one scale per 128 inputs and the row
+// kernels on _mm512_dpbusd_epi32. int4_vnni.cpp includes it inside its namespace, after ACT_BLOCK and PREFETCH_BYTES.
 #pragma once
 
-// One block of 64 activations x to int8 q: returns their largest magnitude; sum[j] is the sum of q over inputs
-// 32j .. 32j + 31. Each q = x * (127 / amax) rounded to nearest, ties to even (the default rounding mode, that of
-// std::nearbyint), clamped to +-127: the same values, bit for bit, as an elementwise loop.
-inline float quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2]) {
-  __m512 v[4];
-  __m512 top = _mm512_setzero_ps();
-  for (int j = 0; j < 4; ++j) {
-    v[j] = load_bf16(x + 16 * j);
-    top = vmax(top, vabs(v[j]));
-  }
-  const float amax = _mm512_reduce_max_ps(top), inv = amax > 0.f ? 127.f / amax : 0.f;
+// One block of 64 activations x to int8 q with the scale of the block of 128 it belongs to (block_amax): inv =
+// 127 / that block's amax; sum[j] is the sum of q over inputs 32j .. 32j + 31. Each q = x * inv rounded to nearest,
+// ties to even (the default rounding mode, that of std::nearbyint), clamped to +-127: the same values, bit for bit, as
+// an elementwise loop, and as the AVX2 build's.
+inline void quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2], float inv) {
   const __m512 s = _mm512_set1_ps(inv);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   __m512i t[4];
   for (int j = 0; j < 4; ++j) {
-    t[j] = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v[j], s)), lo), hi);
+    t[j] = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load_bf16(x + 16 * j), s)), lo), hi);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * j), _mm512_cvtepi32_epi8(t[j]));
   }
   sum[0] = _mm512_reduce_add_epi32(_mm512_add_epi32(t[0], t[1]));
   sum[1] = _mm512_reduce_add_epi32(_mm512_add_epi32(t[2], t[3]));
-  return amax;
+}
+
+// the largest magnitude of n inputs (n a multiple of 16)
+inline float block_amax(const at::BFloat16* x, int64_t n) {
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) top = vmax(top, vabs(load_bf16(x + j)));
+  return _mm512_reduce_max_ps(top);
 }
 
 // Chunk c of a row's bytes (64 bytes, 128 inputs), loaded once: q[0] its low halves (inputs 0-63, block 2c), q[1]
@@ -121,5 +121,46 @@ void rows_block_g32(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, 
       z = _mm_add_ss(z, _mm_shuffle_ps(z, z, 1));
       Y[(m0 + i) * N + n] = at::BFloat16(_mm512_reduce_add_ps(acc[i]) + _mm_cvtss_f32(z));
     }
+  }
+}
+
+// The zero points' term of a row: the sum over its groups of (z - 8 s) a, the dot product of the row's (s, z) pairs
+// with XZ's (-8 a, a) pairs, 16 floats a step and the rest under a mask (bf16 -> fp32 is a shift of 16 bits).
+inline float zero_term(const uint16_t* szr, const float* xz, int64_t groups) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < 2 * groups; j += 16) {
+    const __mmask16 live = j + 16 <= 2 * groups ? __mmask16(0xFFFF) : __mmask16((1u << (2 * groups - j)) - 1);
+    const __m512i raw = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, szr + j));
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), _mm512_maskz_loadu_ps(live, xz + j), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// Groups of 128 or 256: the 128 inputs of a chunk share one activation scale, so their two vpdpbusd sums meet in
+// int32 and take one conversion and one multiply-add, by the activation scale times the group's scale; the zero
+// points' term is taken once a row (zero_term).
+template <int MB>
+void rows_block_wide(const uint8_t* W, const at::BFloat16* SZ, const int8_t* XQ, const float* XS, const float* XZ,
+                     at::BFloat16* Y, int64_t K, int64_t N, int64_t G, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t groups = K / G, chunks_per_group = G / 128, blocks = K / 64;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = W + n * (K / 2);
+    const uint16_t* szr = reinterpret_cast<const uint16_t*>(SZ) + n * groups * 2;
+    __m512 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < blocks / 2; ++c) {
+      __m512i q[2];
+      chunk_q(wr, c, q);
+      const float scale = static_cast<float>(at::BFloat16(szr[2 * (c / chunks_per_group)], at::BFloat16::from_bits()));
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* a = XQ + (m0 + i) * K + c * 128;
+        const __m512i dot = _mm512_dpbusd_epi32(
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], _mm512_loadu_si512(static_cast<const void*>(a))), q[1],
+            _mm512_loadu_si512(static_cast<const void*>(a + 64)));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(XS[(m0 + i) * blocks + 2 * c] * scale), acc[i]);
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      Y[(m0 + i) * N + n] = at::BFloat16(_mm512_reduce_add_ps(acc[i]) + zero_term(szr, XZ + (m0 + i) * 2 * groups, groups));
   }
 }

@@ -2,11 +2,10 @@
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] for bf16 x [M, K] and int4 w, where w = (q - 8) * scale + zero per group of G
 // inputs (the values torch's _weight_int4pack_mm_for_cpu computes with). x is rounded to int8 with one scale per
-// block of ACT_BLOCK inputs (64 on AVX-512, 128 on AVX2); the integer products run on AVX-512 VNNI's
+// block of ACT_BLOCK (128) inputs, the same bytes on both builds; the integer products run on AVX-512 VNNI's
 // _mm512_dpbusd_epi32 (4 u8 x s8 products per lane) where the build targets it (__AVX512VNNI__), else on AVX2's
 // _mm256_maddubs_epi16 + _mm256_madd_epi16 (sums of 4 products per lane: a pair of products, at most 2 * 15 * 127,
-// fits in int16). The two builds round the activations in blocks of different sizes, so their numbers differ by
-// more than the order of the float sums.
+// fits in int16). The two builds sum the floats in different orders, so their outputs may differ in the last bits.
 //
 // Layout of w: [N, K/2] uint8; each 64 bytes hold 128 inputs, byte j = q[j] | q[j + 64] << 4.
 // Layout of sz: [N, K/G, 2] bf16 (scale, zero). K % 128 == 0, G in {32, 64, 128, 256}, G | K.
@@ -26,14 +25,10 @@
 
 namespace {
 
-// Inputs per activation scale: 64 on AVX-512 (a block of 64 is one vpdpbusd), 128 on AVX2, where one scale for the
-// 128 inputs of 64 packed bytes lets their four vpmaddubsw sums meet in int16 and take one vpmaddwd, one conversion
-// and one multiply-add where blocks of 64 take two of each (groups of 128 and 256: rows_block_wide).
-#if defined(__AVX512VNNI__)
-constexpr int64_t ACT_BLOCK = 64;
-#else
+// Inputs per activation scale: 128, the inputs of 64 packed bytes, so that their integer sums meet before one
+// conversion and one multiply-add where blocks of 64 take two of each (groups of 128 and 256: rows_block_wide); on
+// AVX2 the four vpmaddubsw sums meet in int16 and take one vpmaddwd, on AVX-512 the two vpdpbusd sums meet in int32.
 constexpr int64_t ACT_BLOCK = 128;
-#endif
 
 // packed bytes read ahead of the chunk in use: the rows are contiguous, so it runs on into the next rows (2 KiB took
 // the AVX2 build's one-row product from ~22 to ~29 G weights/s on a Zen 3; with one load per chunk, the AVX-512
@@ -59,12 +54,8 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G, int8_
     for (int64_t b = 0; b < blocks; ++b) {
       int32_t sum[2];  // of each 32 inputs
       const at::BFloat16* xb = x + m * K + b * 64;
-#if defined(__AVX512VNNI__)
-      amax = quantize_block(xb, xq + m * K + b * 64, sum);
-#else
       if (b % (ACT_BLOCK / 64) == 0) amax = block_amax(xb, ACT_BLOCK);  // the first block of 64 of each ACT_BLOCK
       quantize_block(xb, xq + m * K + b * 64, sum, amax > 0.f ? 127.f / amax : 0.f);
-#endif
       const float scale = amax / 127.f;
       xs[m * blocks + b] = scale;
       for (int j = 0; j < 2; ++j) {
@@ -107,27 +98,26 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   const int8_t* XQ = xq.data_ptr<int8_t>();
   const float* XS = xs.data_ptr<float>();
   const float* XG = xg.data_ptr<float>();
-#if !defined(__AVX512VNNI__)
-  // AVX2, groups of 32, 128 and 256: each group's (-8 a, a), for the zero points' term as one dot product a row
+  // groups of 128 and 256 (and of 32 on AVX2): each group's (-8 a, a), for the zero points' term as one dot product
+  // a row
+#if defined(__AVX512VNNI__)
+  const bool pairs = G % 128 == 0;
+#else
   const bool pairs = G == 32 || G % 128 == 0;
+#endif
   auto xz = at::empty({M, pairs ? 2 * (K / G) : 0}, at::kFloat);
   if (pairs) {
     float* z = xz.data_ptr<float>();
     for (int64_t j = 0; j < M * (K / G); ++j) z[2 * j] = -8.f * XG[j], z[2 * j + 1] = XG[j];
   }
-  const float* XZ = xz.data_ptr<float>();
-#else
-  const float* XZ = XG;
-#endif
+  const float* XZ = pairs ? xz.data_ptr<float>() : XG;
   at::BFloat16* Y = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       by_rows(std::min<int64_t>(4, M - m0), [&](auto rows) {
         constexpr int MB = decltype(rows)::value;
         if (G == 32) rows_block_g32<MB>(W, SZ, XQ, XS, XZ, Y, K, N, m0, n0, n1);
-#if !defined(__AVX512VNNI__)
         else if (G % 128 == 0) rows_block_wide<MB>(W, SZ, XQ, XS, XZ, Y, K, N, G, m0, n0, n1);
-#endif
         else rows_block<MB>(W, SZ, XQ, XS, XG, Y, K, N, G, m0, n0, n1);
       });
     }
