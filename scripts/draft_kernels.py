@@ -20,7 +20,7 @@ Two measurements, appended as one JSON line to --out:
   continuations' positions of the full model's forwards over those sequences, its product against the same int4
   weights (g128) times the unrounded activations in float64; the relative error ||y - y64|| / ||y64|| of each
   linear, median and largest over the linears, through the kernel and with the rounding emulated in blocks of 64
-  and of 128 inputs (the AVX-512 and AVX2 builds'), beside what rounding the exact product to bf16 alone gives.
+  and of 128 inputs (the kernel's), beside what rounding the exact product to bf16 alone gives.
 
 The dynamic kernel is not a draft option: this script is why (see docs/log.md).
 """
@@ -115,7 +115,7 @@ def rounding_error(model: nn.Module, seqs: list, tokens: int, group: int = 128) 
     """What the VNNI kernel's int8 rounding of the activations costs: on the inputs the decoder linears take at the
     last ``tokens`` positions of the full model's forwards over ``seqs``, each linear's relative error against the
     float64 product with the same int4 weights (median and largest over the linears), through the kernel and with
-    the rounding emulated per block of 64 and of 128 inputs (the AVX-512 and AVX2 builds'), beside what rounding
+    the rounding emulated per block of 64 and of 128 inputs (the kernel's), beside what rounding
     the exact product to bf16 alone gives."""
     linears = _outer_linears(model.model.layers)
     inputs: dict[nn.Module, list[torch.Tensor]] = {m: [] for m in linears}

@@ -6,10 +6,10 @@ floating point; for one row it reads about 38 G weights/s on a 2-core Zen 4, whe
 inputs, :data:`ACT_BLOCKS`) and sum the products of bytes in integers (``vpdpbusd``, 64 multiply-adds an
 instruction). This kernel does that for the draft's int4 copies. The weights are the same int4 values as torch's
 kernel's (the same groups, scales and zero points, in another layout); only the activations are rounded, to 8 bits
-with one scale per 128 inputs, which adds 0.77% relative error (0.65% with blocks of 64) to a product whose int4 weights are off by
-several percent already (medians over the 1.5B's linears on their own inputs, against float64 products of the same
-int4 weights; a bf16 output alone carries 0.17%: ``scripts/draft_kernels.py``, which also measures the agreement
-with the full model, docs/kernels.md).
+with one scale per 128 inputs, which adds 0.77% relative error (0.65% with blocks of 64) to a product whose int4
+weights are off by several percent already (medians over the 1.5B's linears on their own inputs, against float64
+products of the same int4 weights; a bf16 output alone carries 0.17%: ``scripts/draft_kernels.py``, which also
+measures the agreement with the full model, docs/kernels.md).
 
 On a CPU without AVX-512 VNNI but with AVX2 and FMA (a Zen 3, say) the same kernel is built for 256-bit vectors,
 with ``vpmaddubsw`` + ``vpmaddwd`` in place of ``vpdpbusd``; on both builds groups of 128 and 256 take one integer

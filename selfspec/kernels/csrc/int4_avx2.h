@@ -9,8 +9,8 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
 }
 
-// The AVX-512 build's quantize_block on 256-bit vectors (the same values), for a block of 64 inputs rounded with the
-// scale of a larger block (the AVX2 build's blocks are 128 inputs: block_amax): inv = 127 / that block's amax.
+// The AVX-512 build's quantize_block on 256-bit vectors (the same values): a block of 64 inputs rounded with the
+// scale of the block of 128 it belongs to (block_amax): inv = 127 / that block's amax.
 inline void quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2], float inv) {
   const __m256 s = _mm256_set1_ps(inv);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);

@@ -44,7 +44,7 @@ constexpr int64_t PREFETCH_L2_BYTES = 16384;
 #include "int4_avx2.h"
 #endif
 
-// Per row m: xq int8 [M, K], xs [M, K/64] each block of 64's scale (on AVX2 the same for the two of 128 inputs), xg
+// Per row m: xq int8 [M, K], xs [M, K/64] each block of 64's scale (the same for the two of a block of 128), xg
 // [M, K/G] each group's sum of the *rounded* activations (xs * xq), so that the zero point's term and the integer
 // products see the same inputs.
 void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* xs, float* xg) {
