@@ -206,7 +206,7 @@ def main() -> None:
     row = {"model": args.model, "layers": args.layers, "reps": args.reps,
            **({} if agree is None else {"tokens": args.tokens}),
            "g_weights_per_s": rates, "argmax_agreement": agree, "activation_rounding_error": errors,
-           "int4_act_block": vnni.ACT_BLOCKS.get(vnni.isa()) if vnni.available() else None, "torch": torch.__version__,
+           "int4_act_block": vnni.ACT_BLOCK if vnni.available() else None, "torch": torch.__version__,
            "machine": machine_fingerprint(), "commit": git_commit()}
     append_row(args.out, row, echo=False)
 

@@ -3,7 +3,7 @@
 torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) multiplies bf16 activations by int4 weights in
 floating point; for one row it reads about 38 G weights/s on a 2-core Zen 4, where the bandwidth would carry ~60 G
 (int4 is 0.5 byte a weight). llama.cpp's way is faster: round the activations to int8 (one scale per block of
-inputs, :data:`ACT_BLOCKS`) and sum the products of bytes in integers (``vpdpbusd``, 64 multiply-adds an
+inputs, :data:`ACT_BLOCK`) and sum the products of bytes in integers (``vpdpbusd``, 64 multiply-adds an
 instruction). This kernel does that for the draft's int4 copies. The weights are the same int4 values as torch's
 kernel's (the same groups, scales and zero points, in another layout); only the activations are rounded, to 8 bits
 with one scale per 128 inputs, which adds 0.77% relative error (0.65% with blocks of 64) to a product whose int4
@@ -64,7 +64,7 @@ BUILDS = {"avx512-vnni": (("fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnn
 REVISIONS = {"avx512-vnni": 7, "avx2": 8}
 # inputs per activation scale (the activations' int8 rounding): 128, so that the integer sums of 64 packed bytes meet
 # before one conversion and one multiply-add (kernels.md)
-ACT_BLOCKS = {"avx512-vnni": 128, "avx2": 128}
+ACT_BLOCK = 128
 BLOCK = 128  # inputs per 64 packed bytes
 GROUPS = (32, 64, 128, 256)  # the kernel's int4 group sizes
 ENV = "SELFSPEC_INT4_KERNEL"  # aten: never use this kernel
@@ -251,7 +251,7 @@ def dequantize(packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) 
 
 def round_activations(x2: torch.Tensor, block: int) -> torch.Tensor:
     """``x2`` [M, K] as the kernel rounds it, in float64: int8 with one scale per ``block`` inputs (the build's
-    :data:`ACT_BLOCKS`), scale = the block's largest magnitude / 127 (for tests and checks)."""
+    :data:`ACT_BLOCK`), scale = the block's largest magnitude / 127 (for tests and checks)."""
     xb = x2.double().reshape(x2.shape[0], -1, block)
     s = xb.abs().amax(-1, keepdim=True) / 127
     return (torch.round(xb / torch.where(s > 0, s, 1)).clamp(-127, 127) * s).reshape(x2.shape)

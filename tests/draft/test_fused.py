@@ -57,7 +57,7 @@ def test_fused_sublayers_compute_what_the_modules_compute(arch, rows):
             fast = layer.self_attn.fast(*args, **kwargs)[0]
             args, kwargs = seen["mlp"]
             mlp_slow, mlp_fast = layer.mlp.inner(*args, **kwargs), layer.mlp.fast(*args, **kwargs)
-    # o_proj and down_proj round their inputs to int8 with one scale per block of 128 (vnni.ACT_BLOCKS, here one
+    # o_proj and down_proj round their inputs to int8 with one scale per block of 128 (vnni.ACT_BLOCK, here one
     # block a row): inputs that differ in their last bits round apart now and then, by a block's largest magnitude /
     # 127 each (1.3% measured here on AVX2; blocks of 64 gave 0.4%)
     tol = 2e-2

@@ -16,10 +16,10 @@ needs_vnni = pytest.mark.skipif(not vnni.available(), reason=f"VNNI int4 kernel:
 
 def _reference(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
     """What the kernel computes, in float64: the int4 weights (torch's groups) times the activations rounded to
-    int8 per block of the build's inputs (128 on both)."""
+    int8 per block of 128 inputs (both builds)."""
     kernel, packed, sz = quantize(w, "int4", group, kernel="int4-vnni")
     wd = vnni.dequantize(packed, sz, group)
-    return vnni.round_activations(x, vnni.ACT_BLOCKS[vnni.isa()]) @ wd.t()
+    return vnni.round_activations(x, vnni.ACT_BLOCK) @ wd.t()
 
 
 def test_pack_and_unpack_are_inverse():

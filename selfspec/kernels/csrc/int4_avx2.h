@@ -25,15 +25,6 @@ inline void quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2], flo
   }
 }
 
-// the largest magnitude of n inputs (n a multiple of 8)
-inline float block_amax(const at::BFloat16* x, int64_t n) {
-  __m256 top = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; j += 8) top = vmax(top, vabs(load_bf16(x + j)));
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-
 // AVX2 + FMA: the same two kernels on 256-bit vectors. A chunk of 64 packed bytes (128 inputs) is loaded once and
 // both its nibbles used: inputs 0-31 and 32-63 are the low halves of bytes 0-31 and 32-63 (block 2c), inputs 64-95
 // and 96-127 their high halves (block 2c + 1). Integer sums and float order are those of a loop over blocks that

@@ -18,13 +18,6 @@ inline void quantize_block(const at::BFloat16* x, int8_t* q, int32_t sum[2], flo
   sum[1] = _mm512_reduce_add_epi32(_mm512_add_epi32(t[2], t[3]));
 }
 
-// the largest magnitude of n inputs (n a multiple of 16)
-inline float block_amax(const at::BFloat16* x, int64_t n) {
-  __m512 top = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) top = vmax(top, vabs(load_bf16(x + j)));
-  return _mm512_reduce_max_ps(top);
-}
-
 // Chunk c of a row's bytes (64 bytes, 128 inputs), loaded once: q[0] its low halves (inputs 0-63, block 2c), q[1]
 // its high halves (inputs 64-127, block 2c + 1). Two prefetches run ahead of it: into L1 (PREFETCH_BYTES) and, further,
 // into L2 (PREFETCH_L2_BYTES).

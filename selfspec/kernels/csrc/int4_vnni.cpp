@@ -44,6 +44,13 @@ constexpr int64_t PREFETCH_L2_BYTES = 16384;
 #include "int4_avx2.h"
 #endif
 
+// the largest magnitude of n inputs (n a multiple of VW), on either build's vectors
+inline float block_amax(const at::BFloat16* x, int64_t n) {
+  vf top = zero();
+  for (int64_t j = 0; j < n; j += VW) top = vmax(top, vabs(load_bf16(x + j)));
+  return hmax(top);
+}
+
 // Per row m: xq int8 [M, K], xs [M, K/64] each block of 64's scale (the same for the two of a block of 128), xg
 // [M, K/G] each group's sum of the *rounded* activations (xs * xq), so that the zero point's term and the integer
 // products see the same inputs.

@@ -32,6 +32,7 @@ inline vf pow2(vf n) {  // 2^n for whole n in -126 .. 127, through the exponent 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
 inline float hsum(vf x) { return _mm512_reduce_add_ps(x); }
+inline float hmax(vf x) { return _mm512_reduce_max_ps(x); }
 // hsum of VW vectors at once: lane t of the result is hsum(x[hsum_slot(t)]), its additions paired as hsum's own
 // (lanes i and i + 8, then i and i + 4, then 0 + 2 and 1 + 3, then those two), so it is bit for bit the same.
 constexpr int hsum_slot(int t) { return 8 * (t % 2) + 4 * (t / 2 % 2) + t / 4; }
@@ -83,6 +84,11 @@ inline float hsum(vf x) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+inline float hmax(vf x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 // hsum of VW vectors at once: lane t of the result is hsum(x[hsum_slot(t)]), its additions paired as hsum's own
 // (lanes i and i + 4, then 0 + 2 and 1 + 3, then those two), so it is bit for bit the same.
