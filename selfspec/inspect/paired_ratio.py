@@ -10,7 +10,9 @@ one line for all the run's rows together ("all sets": tokens over time of every 
 of them, so that a difference of a few percent that no set's 10 rows resolve can be bounded over the whole run).
 ``--decode`` takes the tokens after each request's first over the time after it instead: the prefill left out,
 which over prompts of thousands of tokens is a large share of every method's time and the same for each.
-``--rounds`` adds what a round of each method cost over all the run's rows: its drafted tokens, its drafting and
+Each line also gives the share of each method's time that went to the first token of a request (the prefill and
+the first step, the same work for every method): what bounds a speedup over the whole request however fast the
+decode runs. ``--rounds`` adds what a round of each method cost over all the run's rows: its drafted tokens, its drafting and
 its verify time, and the verify in plain steps of the run's baseline (its header's, as the tables take it).
 """
 
@@ -77,6 +79,13 @@ def _line(name: str, mine: list[dict], base: list[dict], method: str, base_name:
     s = summarize(mine + base, base_name)
     lengths = " / ".join(f"{s[m]['mean_accepted_length']:.2f}" if s[m].get("rounds") else "-" for m in (method, base_name))
     what = "decode speed" if decode else "speed"
+    firsts = " / ".join(f"{100 * _first_share(rows):.0f}%" for rows in (mine, base))
     print(f"{name:<16} {method} over {base_name} ({what}): {ratio:.3f}x (95% {lo:.3f}-{hi:.3f}); "
-          f"tokens a round {lengths}")
+          f"tokens a round {lengths}; first token {firsts} of the time")
+
+
+def _first_share(rows: list[dict]) -> float:
+    """The share of the rows' time spent up to each request's first token."""
+    s = DecodeStats.merged([stats_of_row(r) for r in rows])
+    return s.ttft / s.total_time if s.total_time > 0 else float("nan")
 

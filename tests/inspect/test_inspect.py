@@ -159,6 +159,8 @@ def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, caps
     # 50 tokens in 4 s over 50 in 5 s; tokens a round 1 + 30/10 and 1 + 26/12
     assert "gsm8k" in p.stdout and "tree over chain (speed): 1.250x (95% " in p.stdout
     assert "tokens a round 4.00 / 3.17" in p.stdout
+    # the first token (0.1 s a request) over each method's time on gsm8k: 0.2 of 4 s and 0.2 of 5 s
+    assert "tokens a round 4.00 / 3.17; first token 5% / 4% of the time" in p.stdout
     # all rows: 60 tokens in 5 s over 60 in 6 s, mtbench's "a" its own sample (three pairs, not two)
     (pooled,) = [line for line in p.stdout.splitlines() if line.startswith("all sets")]
     assert "tree over chain (speed): 1.200x (95% " in pooled
