@@ -8,12 +8,12 @@ gives the ratio of any two methods of the run (tokens over time of both on the s
 it; :func:`selfspec.eval.records.paired_speedup`) and their tokens a round, one line per task set folder, then
 one line for all the run's rows together ("all sets": tokens over time of every row, the bootstrap drawing from all
 of them, so that a difference of a few percent that no set's 10 rows resolve can be bounded over the whole run).
-``--decode`` takes the tokens after each request's first over the time after it instead: the prefill left out,
-which over prompts of thousands of tokens is a large share of every method's time and the same for each.
-Each line also gives the share of each method's time that went to the first token of a request (the prefill and
-the first step, the same work for every method): what bounds a speedup over the whole request however fast the
-decode runs. ``--rounds`` adds what a round of each method cost over all the run's rows: its drafted tokens, its drafting and
-its verify time, and the verify in plain steps of the run's baseline (its header's, as the tables take it).
+``--decode`` takes the tokens after each request's first over the time after it instead: the prefill left out, which
+over prompts of thousands of tokens is a large share of every method's time and the same for each. Each line also
+gives the share of each method's time that went to the first token of a request (the prefill and the first step, the
+same work for every method): what bounds a speedup over the whole request however fast the decode runs. ``--rounds``
+adds what a round of each method cost over all the run's rows: its drafted tokens, its drafting and its verify time,
+and the verify in plain steps of the run's baseline (its header's, as the tables take it).
 """
 
 from __future__ import annotations
