@@ -250,7 +250,7 @@ def dequantize(packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) 
 
 
 def round_activations(x2: torch.Tensor, block: int) -> torch.Tensor:
-    """``x2`` [M, K] as the kernel rounds it, in float64: int8 with one scale per ``block`` inputs (the build's
+    """``x2`` [M, K] as the kernel rounds it, in float64: int8 with one scale per ``block`` inputs (the kernel's
     :data:`ACT_BLOCK`), scale = the block's largest magnitude / 127 (for tests and checks)."""
     xb = x2.double().reshape(x2.shape[0], -1, block)
     s = xb.abs().amax(-1, keepdim=True) / 127
