@@ -115,6 +115,11 @@ def attach(model: torch.nn.Module, rank: TokenRank) -> None:
     setattr(model, _ATTR, rank)
 
 
+def has_rank(model: torch.nn.Module) -> bool:
+    """Whether ``model`` carries its tokenizer's ranking (:func:`attach`), which ``head_ids: frequent`` needs."""
+    return getattr(model, _ATTR, None) is not None
+
+
 def rank_of(model: torch.nn.Module) -> torch.Tensor:
     """The ranked ids :func:`attach` gave ``model``; an error naming the fix where it has none."""
     rank = getattr(model, _ATTR, None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import optuna
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 
 from selfspec.assets.data import PromptSet
 from selfspec.assets.models import LoadedModel, encode_prompt
+from selfspec.assets.vocab import has_rank
 from selfspec.draft.lowbit import group_width
 from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
@@ -91,6 +93,10 @@ def search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: 
         print(f"[selfspec] int4 groups of {', '.join(str(g) for g in s.space.group_size if g not in dims.group_size)} "
               f"do not divide this model's linear inputs (multiples of {width}): searching groups of "
               f"{', '.join(map(str, dims.group_size))}", file=sys.stderr)
+    if "frequent" in dims.head_ids and any(dims.head_tokens) and not has_rank(lm.model):
+        dims = replace(dims, head_ids=tuple(i for i in dims.head_ids if i != "frequent") or ("lowest",))
+        print("[selfspec] this model has no token ranking (it was not loaded by selfspec.assets.models.load_model): "
+              "a cut head's base is its lowest ids", file=sys.stderr)
     space = SearchSpace(lm.num_layers, s.min_skipped, s.max_skipped, s.protect_first_last, dims)
     space.check()
     check_writable(Path(s.plans_dir), "draft files")

@@ -54,8 +54,8 @@ class DraftDims:
     weights: tuple[str, ...] = ("model", "int8", "int4")
     group_size: tuple[int, ...] = (32, 128)  # int4 groups; 32 lines up with the GGUF blocks of the packaged models
     int4_fit: tuple[str, ...] = ("minmax",)  # int4 groups' scale and zero: lowbit.FITS
-    head_tokens: tuple[int, ...] = (0, 16384, 32768)
-    head_ids: tuple[str, ...] = ("lowest",)  # a cut head's base: lowest | frequent (path.HEAD_IDS)
+    head_tokens: tuple[int, ...] = (0, 16384, 32768, 65536)
+    head_ids: tuple[str, ...] = ("lowest", "frequent")  # a cut head's base: lowest | frequent (path.HEAD_IDS)
     head_weights: tuple[str, ...] = ("model", "int4")  # the draft head's rows: model | int8 | int4 (int4: group_size)
     head_rescore: tuple[int, ...] = (8,)  # a quantized head's top ids rescored on the model's rows (0 = off)
     k: tuple[int, ...] = (1, 2, 3, 4, 5, 6)

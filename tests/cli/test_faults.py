@@ -175,6 +175,19 @@ def test_a_draft_that_cannot_be_written_at_the_last_step_still_reaches_the_repor
     assert not list((tmp_path / "plans").glob("*"))  # no half-written file
 
 
+def test_a_model_with_no_token_ranking_searches_cut_heads_on_their_lowest_ids(lm, tmp_path, capsys, monkeypatch):
+    from selfspec.assets import vocab
+    from selfspec.search.pipeline import search
+
+    monkeypatch.delattr(lm.model, vocab._ATTR)  # as a model built in-process has none
+
+    space = {"group_size": [32], "head_weights": ["int4"], "head_tokens": [40],
+             "head_ids": ["lowest", "frequent"], "k": [2], "model_draft": [True]}
+    report = search(lm, prompt_set_from_config(group_option("dataset", "tiny")), _quick(tmp_path, space=space))
+    assert "has no token ranking" in capsys.readouterr().err
+    assert report.draft.options.head_tokens == 40 and report.draft.options.head_ids == "lowest"
+
+
 def test_a_refused_warm_start_leaves_no_study_behind(lm, tmp_path):
     from selfspec.draft.spec import DraftSpec
     from selfspec.search.pipeline import search

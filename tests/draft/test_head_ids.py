@@ -101,7 +101,9 @@ def test_the_search_chooses_the_base_of_a_cut_head_only():
     full = space.spec_of({"head_tokens": 0, "head_ids": "frequent"})
     assert full.options.head_ids == "lowest"  # the full head: no base to choose
     assert space.describe()["dims"]["head_ids"] == ["lowest", "frequent"]
-    assert "head_ids" not in SearchSpace(4).describe()["dims"]  # studies made before the option still resume
+    # studies made before the option still resume where it is fixed at lowest
+    assert "head_ids" not in SearchSpace(4, dims=DraftDims(head_ids=("lowest",))).describe()["dims"]
+    assert SearchSpace(4).describe()["dims"]["head_ids"] == ["lowest", "frequent"]  # searched by default
     labels = dict(ablation_variants(spec))
     assert labels["the lowest ids as the head's base"].options.head_ids == "lowest"
     assert labels["without the cut head"].options == DraftOptions(weights="int4", group_size=32,

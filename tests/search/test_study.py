@@ -96,7 +96,8 @@ def test_drafts_predicted_alike_are_re_timed_once(tmp_path):
 
 
 def test_budget_enforced(tmp_path, simulator):
-    space = SearchSpace(4, min_skipped=2, max_skipped=3, protect_first_last=False, dims=DraftDims(group_size=(32,)))
+    space = SearchSpace(4, min_skipped=2, max_skipped=3, protect_first_last=False,
+                        dims=DraftDims(group_size=(32,), head_ids=("lowest",)))
     study = open_study(tmp_path / "s.db", "b", "tiny", "random", 0)
     run_search(study, space, PredictedObjective(simulator, COSTS), n_trials=25)
     complete = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
@@ -111,7 +112,7 @@ def test_budget_that_allows_no_plan(kwargs):
 
 
 def test_enqueued_drafts_run_first(tmp_path, simulator):
-    space = SearchSpace(4, dims=DraftDims(group_size=(32,)))
+    space = SearchSpace(4, dims=DraftDims(group_size=(32,), head_ids=("lowest",)))
     warm = [DraftSpec(SkipPlan(4, attn=(1,)), DraftOptions(weights="int8"), k=2),
             DraftSpec(SkipPlan(4, mlp=(1, 2)), DraftOptions(ngram=2, copy_tokens=10), k=3)]
     study = open_study(tmp_path / "s.db", "w", "tiny", "tpe", 0)
@@ -157,7 +158,7 @@ def test_anchors_are_generic_drafts_the_space_holds(tmp_path, simulator):
     assert SearchSpace(6, dims=DraftDims(model_draft=(True,))).anchors() == [free]
     papers = SearchSpace(6, dims=DraftDims(weights=("model",), head_weights=("model",), ngram=(0,)))
     assert papers.anchors() == []  # a full-depth, full-precision draft that copies nothing saves nothing
-    tiny = SearchSpace(4, dims=DraftDims(group_size=(32,)))
+    tiny = SearchSpace(4, dims=DraftDims(group_size=(32,), head_ids=("lowest",)))
     study = open_study(tmp_path / "s.db", "a", "tiny", "tpe", 0)
     assert enqueue_warm_starts(study, tiny, tiny.anchors()) == 2
     run_search(study, tiny, PredictedObjective(simulator, COSTS), n_trials=3)
@@ -165,7 +166,7 @@ def test_anchors_are_generic_drafts_the_space_holds(tmp_path, simulator):
 
 
 def test_interrupted_search_resumes_with_no_trial_lost(tmp_path, simulator):
-    space = SearchSpace(4, dims=DraftDims(group_size=(32,)))
+    space = SearchSpace(4, dims=DraftDims(group_size=(32,), head_ids=("lowest",)))
     obj = PredictedObjective(simulator, COSTS)
     study = open_study(tmp_path / "s.db", "r", "tiny", "tpe", 0)
 
