@@ -13,7 +13,9 @@ over prompts of thousands of tokens is a large share of every method's time and 
 gives the share of each method's time that went to the first token of a request (the prefill and the first step, the
 same work for every method): what bounds a speedup over the whole request however fast the decode runs. ``--rounds``
 adds what a round of each method cost over all the run's rows: its drafted tokens, its drafting and its verify time,
-and the verify in plain steps of the run's baseline (its header's, as the tables take it).
+and the verify in plain steps of the run's baseline (its header's, as the tables take it); where the rows hold both
+model-drafted rounds and copy rounds, a verify of each kind, fitted by least squares over the rows (each row's verify
+time as so many of each kind of round): a copy's verify is wider than a model draft's.
 """
 
 from __future__ import annotations
@@ -67,9 +69,27 @@ def _round_cost(name: str, rows: list[dict], base: DecodeStats | None) -> str:
     verify = s.verify_time / s.rounds
     line = (f"rounds of {name}: {s.rounds}, {s.drafted / s.rounds:.2f} drafted tokens, drafting "
             f"{1e3 * s.draft_time / s.rounds:.1f} ms and a verify {1e3 * verify:.1f} ms a round")
-    if base is not None and base.plain_steps:
-        line += f" ({verify / (base.step_time / base.plain_steps):.2f} of {base.method}'s steps)"
+    step = base.step_time / base.plain_steps if base is not None and base.plain_steps else None
+    if step:
+        line += f" ({verify / step:.2f} of {base.method}'s steps)"
+    kinds = _verify_by_kind([stats_of_row(r) for r in rows])
+    if kinds is not None:
+        line += "; a verify after a model draft {:.1f} ms, after a copy {:.1f} ms".format(*(1e3 * t for t in kinds))
+        if step:
+            line += " ({:.2f} / {:.2f} steps)".format(*(t / step for t in kinds))
     return line
+
+
+def _verify_by_kind(stats: list[DecodeStats]) -> tuple[float, float] | None:
+    """Least-squares times (model round, copy round) with each row's verify time = a * its model-drafted rounds + b *
+    its copy rounds; None where the rows do not tell the two apart."""
+    xs = [(s.rounds - s.copy_rounds, s.copy_rounds, s.verify_time) for s in stats if s.rounds]
+    aa, ab, bb = (sum(x[i] * x[j] for x in xs) for i, j in ((0, 0), (0, 1), (1, 1)))
+    ay, by = (sum(x[i] * x[2] for x in xs) for i in (0, 1))
+    det = aa * bb - ab * ab
+    if det <= 1e-9 * max(aa * bb, 1.0):
+        return None
+    return (ay * bb - by * ab) / det, (by * aa - ay * ab) / det
 
 
 def _line(name: str, mine: list[dict], base: list[dict], method: str, base_name: str, decode: bool = False) -> None:

@@ -171,9 +171,9 @@ def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, caps
 
 
 def test_paired_ratio_rounds_prints_what_a_round_cost_in_plain_steps(tmp_path, capsys):
-    def row(sample, method, rounds, drafted, draft_time, verify_time, plain_steps=0, step_time=0.0):
+    def row(sample, method, rounds, drafted, draft_time, verify_time, plain_steps=0, step_time=0.0, copy_rounds=0):
         counters = {"method": method, "requests": 1, "new_tokens": 20, "rounds": rounds, "drafted": drafted,
-                    "accepted": drafted, "plain_steps": plain_steps, "draft_time": draft_time,
+                    "copy_rounds": copy_rounds, "accepted": drafted, "plain_steps": plain_steps, "draft_time": draft_time,
                     "verify_time": verify_time, "step_time": step_time, "ttft": 0.1, "total_time": 2.0}
         return {"type": "sample", "sample_id": sample, "method": method, "turns": 1, "counters": counters,
                 "output_sha256": "x"}
@@ -187,6 +187,15 @@ def test_paired_ratio_rounds_prints_what_a_round_cost_in_plain_steps(tmp_path, c
     assert ("rounds of wide: 4, 7.00 drafted tokens, drafting 200.0 ms and a verify 150.0 ms a round "
             "(1.50 of autoregressive's steps)") in p.stdout
     assert "rounds of chain: 5, 5.00 drafted tokens, drafting 100.0 ms and a verify 120.0 ms a round (1.20 " in p.stdout
+    assert "after a copy" not in p.stdout  # no copy rounds: the kinds cannot be told apart
+    # two rows with model and copy rounds in other proportions: verifies of 0.12 s after a model draft, 0.2 s after
+    # a copy (0.12 * 3 + 0.2 * 1 = 0.56 s; 0.12 * 1 + 0.2 * 2 = 0.52 s)
+    rows += [row("a", "mixed", 4, 20, 0.4, 0.56, copy_rounds=1), row("b", "mixed", 3, 20, 0.2, 0.52, copy_rounds=2),
+             row("b", "chain", 5, 25, 0.5, 0.6), row("b", "autoregressive", 0, 0, 0.0, 0.0, 20, 2.0)]
+    (tmp_path / "m" / "gsm8k" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = _run(capsys, "paired-ratio", str(tmp_path / "m"), "mixed", "chain", "--rounds")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "; a verify after a model draft 120.0 ms, after a copy 200.0 ms (1.20 / 2.00 steps)" in p.stdout
 
 
 def test_a_second_level_prices_each_levels_first_step_of_a_round():
