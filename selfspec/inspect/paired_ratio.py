@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
 def _round_cost(name: str, rows: list[dict], base: DecodeStats | None) -> str:
     """One method's rounds over its rows: drafted tokens, drafting and verify time a round (ms), the verify in the
     plain steps of ``base`` (the baseline rows' merged counters)."""
-    s = DecodeStats.merged([stats_of_row(r) for r in rows])
+    per_row = [stats_of_row(r) for r in rows]
+    s = DecodeStats.merged(per_row)
     if not s.rounds:
         return f"rounds of {name}: none"
     verify = s.verify_time / s.rounds
@@ -72,7 +73,7 @@ def _round_cost(name: str, rows: list[dict], base: DecodeStats | None) -> str:
     step = base.step_time / base.plain_steps if base is not None and base.plain_steps else None
     if step:
         line += f" ({verify / step:.2f} of {base.method}'s steps)"
-    kinds = _verify_by_kind([stats_of_row(r) for r in rows])
+    kinds = _verify_by_kind(per_row)
     if kinds is not None:
         line += "; a verify after a model draft {:.1f} ms, after a copy {:.1f} ms".format(*(1e3 * t for t in kinds))
         if step:

@@ -173,8 +173,8 @@ def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, caps
 def test_paired_ratio_rounds_prints_what_a_round_cost_in_plain_steps(tmp_path, capsys):
     def row(sample, method, rounds, drafted, draft_time, verify_time, plain_steps=0, step_time=0.0, copy_rounds=0):
         counters = {"method": method, "requests": 1, "new_tokens": 20, "rounds": rounds, "drafted": drafted,
-                    "copy_rounds": copy_rounds, "accepted": drafted, "plain_steps": plain_steps, "draft_time": draft_time,
-                    "verify_time": verify_time, "step_time": step_time, "ttft": 0.1, "total_time": 2.0}
+                    "copy_rounds": copy_rounds, "accepted": drafted, "plain_steps": plain_steps,
+                    "draft_time": draft_time, "verify_time": verify_time, "step_time": step_time, "ttft": 0.1, "total_time": 2.0}
         return {"type": "sample", "sample_id": sample, "method": method, "turns": 1, "counters": counters,
                 "output_sha256": "x"}
 
