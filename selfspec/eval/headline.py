@@ -15,8 +15,8 @@ from selfspec.eval.tables import speedup_text
 
 BEGIN, END = "<!-- headline: begin (python -m selfspec.tables --readme) -->", "<!-- headline: end -->"
 SETS = ["humaneval", "gsm8k", "mtbench", "summarization"]
-# method -> column ("searched draft": the run's plan; "-avx512": a draft searched on the other CPU kind, where run)
-SHOWN = {"autoregressive": None, "self_speculative": "searched draft", "self_speculative-avx512": "AVX-512 search",
+# method -> column ("searched draft": the run's plan; "-avx2": a draft searched on the other CPU kind, where run)
+SHOWN = {"autoregressive": None, "self_speculative": "searched draft", "self_speculative-avx2": "AVX2 search",
          "self_speculative-skiponly": "layer skip only", "hf_prompt_lookup-n5": "prompt lookup",
          "hf_assisted-n8": "assisted (0.5B)"}
 
