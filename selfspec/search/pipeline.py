@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import optuna
@@ -35,7 +34,7 @@ from selfspec.search.report import SearchReport, measured_part, stage
 from selfspec.search.retime import WallclockObjective, retime
 from selfspec.search.settings import SearchSettings, fit_final_stages
 from selfspec.search.simulate import RoundSimulator
-from selfspec.search.space import SearchSpace, fitting_groups
+from selfspec.search.space import SearchSpace, fitting_groups, fitting_heads
 from selfspec.search.study import (
     PredictedObjective,
     enqueue_warm_starts,
@@ -93,8 +92,9 @@ def search(lm: LoadedModel, prompt_set: PromptSet, s: SearchSettings, on_trial: 
         print(f"[selfspec] int4 groups of {', '.join(str(g) for g in s.space.group_size if g not in dims.group_size)} "
               f"do not divide this model's linear inputs (multiples of {width}): searching groups of "
               f"{', '.join(map(str, dims.group_size))}", file=sys.stderr)
-    if "frequent" in dims.head_ids and any(dims.head_tokens) and not has_rank(lm.model):
-        dims = replace(dims, head_ids=tuple(i for i in dims.head_ids if i != "frequent") or ("lowest",))
+    heads = fitting_heads(dims, has_rank(lm.model))
+    if heads != dims:
+        dims = heads
         print("[selfspec] this model has no token ranking (it was not loaded by selfspec.assets.models.load_model): "
               "a cut head's base is its lowest ids", file=sys.stderr)
     space = SearchSpace(lm.num_layers, s.min_skipped, s.max_skipped, s.protect_first_last, dims)

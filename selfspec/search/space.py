@@ -49,6 +49,14 @@ def fitting_groups(dims: DraftDims, width: int) -> DraftDims:
     return replace(dims, group_size=fit) if fit and fit != dims.group_size else dims
 
 
+def fitting_heads(dims: DraftDims, ranked: bool) -> DraftDims:
+    """``dims`` without ``head_ids: frequent`` where the model carries no token ranking (``ranked`` false) and a cut
+    head is searched: its cut heads take their lowest ids; unchanged otherwise."""
+    if ranked or "frequent" not in dims.head_ids or not any(dims.head_tokens):
+        return dims
+    return replace(dims, head_ids=tuple(i for i in dims.head_ids if i != "frequent") or ("lowest",))
+
+
 @dataclass(frozen=True)
 class DraftDims:
     weights: tuple[str, ...] = ("model", "int8", "int4")

@@ -61,3 +61,14 @@ def test_int4_groups_that_do_not_divide_the_models_inputs_leave_the_space():
     assert fitting_groups(dims, 64).group_size == (32,)  # a tiny model's 64-wide inputs
     assert fitting_groups(dims, 1536) is dims
     assert fitting_groups(DraftDims(group_size=(128,)), 64).group_size == (128,)  # none would be left: the draft says
+
+
+def test_frequent_cut_heads_leave_the_space_of_a_model_with_no_token_ranking():
+    from selfspec.search.space import DraftDims, fitting_heads
+
+    dims = DraftDims(head_tokens=(0, 16384), head_ids=("lowest", "frequent"))
+    assert fitting_heads(dims, ranked=True) is dims
+    assert fitting_heads(dims, ranked=False).head_ids == ("lowest",)
+    assert fitting_heads(DraftDims(head_tokens=(16384,), head_ids=("frequent",)), False).head_ids == ("lowest",)
+    no_cut = DraftDims(head_tokens=(0,), head_ids=("lowest", "frequent"))
+    assert fitting_heads(no_cut, False) is no_cut  # no cut head searched: its base does not matter
