@@ -52,6 +52,7 @@ from selfspec.draft import fused
 from selfspec.draft.head import CutHead
 from selfspec.draft.lowbit import FEWER_LEVELS, FITS, LowPrecisionLinear, copy_key, wrap_linears
 from selfspec.draft.skip import layer_skipper
+from selfspec.draft.sparse import top_channels
 from selfspec.errors import SelfSpecError
 from selfspec.model.plan import SkipPlan
 from selfspec.model.wrap import set_plain
@@ -105,6 +106,10 @@ class DraftOptions:
     # with fused sublayers, a whole draft step of a Llama/Qwen2 model as one call per kept sublayer, its norm and
     # residual add included (selfspec.draft.fused.FusedStep); False: the fused calls inside the model's forward
     fused_step: bool = True
+    # f < 1: each kept gated MLP keeps the fraction f of a token's channels with the largest |act(gate(x))| and zeroes
+    # the rest (selfspec.draft.sparse), run through the modules; what a kernel reading (1 + 2f)/3 of the MLP's bytes
+    # would draft (a measurement for the route bounds: no kernel here reads fewer bytes); 1 = every channel
+    mlp_keep: float = 1.0
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
@@ -136,6 +141,8 @@ class DraftOptions:
                 raise SelfSpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not self.model_draft and not self.ngram:
             raise SelfSpecError("model_draft=false drafts by copying only: it needs copy drafting (ngram >= 1)")
+        if not 0.0 < self.mlp_keep <= 1.0:
+            raise SelfSpecError(f"mlp_keep must be in (0, 1], got {self.mlp_keep}")
         if self.int4_fit not in FITS:
             raise SelfSpecError(f"int4_fit must be one of {', '.join(FITS)}, got {self.int4_fit!r}")
         if self.int4 and self.group_size not in (32, 64, 128, 256):
@@ -172,9 +179,8 @@ class DraftOptions:
         """The options as a run records them (None for the plan-only draft).
 
         ``copy_tokens``, ``min_ngram``, ``copy_per_match``, ``copy_fallback``, ``head_ids``, ``head_weights``,
-        ``head_rescore``, ``int4_fit``,
-        ``model_draft``, ``fused``, ``fused_step`` and the tree options appear only when set, so runs recorded before
-        they existed still resume.
+        ``head_rescore``, ``int4_fit``, ``model_draft``, ``fused``, ``fused_step``, ``mlp_keep`` and the tree options
+        appear only when set, so runs recorded before they existed still resume.
         """
         if self.plain and not self.ngram and not self.tree:
             return None
@@ -201,6 +207,8 @@ class DraftOptions:
             del rec["fused"]
         if self.fused_step:
             del rec["fused_step"]
+        if self.mlp_keep == 1.0:
+            del rec["mlp_keep"]
         if not self.tree:
             for name in ("copy_candidates", "branch_below", "tree_nodes"):
                 del rec[name]
@@ -240,9 +248,12 @@ class DraftPath:
                 for i, sub in enumerate(subs):
                     if i not in off:
                         self.linears += wrap_linears(sub.inner, options.weights, options.group_size, options.int4_fit)
-                        fast = fuse(model, sub.inner, key) if options.fused else None
+                        sparse = options.mlp_keep < 1.0 and fuse is fused.mlp_for  # the modules compute the sparsity
+                        fast = fuse(model, sub.inner, key) if options.fused and not sparse else None
                         if fast is not None:
                             self.fused.append((sub, fast))
+        self.channels = [top_channels(sub.inner) for i, sub in enumerate(self.skipper.mlp)
+                         if i not in plan.mlp] if options.mlp_keep < 1.0 else []
         # the whole draft step as one call per kept sublayer, where every kept one runs fused (fused.FusedStep)
         self.step = fused.step_for(model, self.skipper.arch.layers, plan, {id(sub): fast for sub, fast in self.fused}) \
             if options.weights != "model" and options.fused and options.fused_step else None
@@ -318,6 +329,8 @@ class DraftPath:
                     set_plain(lin, active=True)
                 for sub, fast in self.fused:
                     set_plain(sub, fast=fast)
+                for act in self.channels:
+                    set_plain(act, keep=self.options.mlp_keep)
                 if self.step is not None:
                     set_plain(self.model, **{fused.STEP: self.step})
                 if self.head is not None:
@@ -333,6 +346,8 @@ class DraftPath:
                         lin.shared.forget()
                 for sub, _ in self.fused:
                     set_plain(sub, fast=None)
+                for act in self.channels:
+                    set_plain(act, keep=1.0)
                 set_plain(self.model, **{fused.STEP: None})
                 if self.head is not None:
                     set_plain(self.head, active=False)

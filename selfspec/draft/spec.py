@@ -86,6 +86,8 @@ class DraftSpec:
             key += (("head_ids", o.head_ids),)
         if self.k_max:
             key += (("k_max", self.k_max),)
+        if o.mlp_keep < 1.0:
+            key += (("mlp_keep", round(o.mlp_keep, 3)),)
         return key
 
     def describe(self) -> str:
@@ -95,6 +97,8 @@ class DraftSpec:
         fit = "" if o.int4_fit == "minmax" else f" {o.int4_fit}"
         if o.weights != "model":
             parts.append(f"{o.weights}" + (f" g{o.group_size}{fit}" if o.weights == "int4" else ""))
+        if o.mlp_keep < 1.0:
+            parts.append(f"MLP channels: top {o.mlp_keep:.0%}")
         if o.head_tokens or o.head_weights != "model":
             low = "" if o.head_weights == "model" else f" {o.head_weights}" + (
                 f" g{o.group_size}{fit}" if o.head_weights == "int4" else "") + (

@@ -2,7 +2,7 @@
 
     selfspec-inspect route-bounds results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v8.db \
         --draft results/plans/qwen2.5-coder-1.5b-default.json [--tokens 128] [--contexts 2048 4096 8192] \
-        [--levels 0.25 0.5] [--bits 3 2] [--skips results/plans/qwen2.5-coder-1.5b-skiponly.json] \
+        [--levels 0.25 0.5] [--bits 3 2] [--keep 0.5 0.3] [--skips results/plans/qwen2.5-coder-1.5b-skiponly.json] \
         [--out results/route_bounds.jsonl]
 
 Decodes the study's calibration prompts with our AR (``--tokens`` each) and simulates the draft's rounds on those
@@ -24,6 +24,12 @@ bounds its route from above. Prices come from a cost model measured now, on the 
   take ``lsq`` groups on 2^b of their 16 levels (``int4_fit: lsq3 | lsq2``, the head kept at 16), simulated: what
   those bits cost in acceptance. Not a bound on acceptance: a measurement; ``int4 lsq, simulated`` is the draft with
   ``lsq`` groups on all 16 levels at its own price, to tell the fit from the bits.
+- ``MLP keep f``: the draft's gated MLPs keep the fraction ``f`` of a token's channels, those of the largest
+  ``|act(gate(x))|`` (:mod:`selfspec.draft.sparse`), and read their gate weights whole and ``f`` of their up and
+  down weights: its MLP sublayers at ``(1 + 2f) / 3`` of their cost (the weights read at the memory's speed, picking
+  the channels free), no acceptance lost. ``MLP keep f, simulated``: the same price for the draft with
+  ``mlp_keep: f``, simulated: what the sparsity costs in acceptance (a measurement, through the modules rather than
+  the fused calls, which round otherwise).
 - ``skip everything``: every sublayer of the draft skipped at no acceptance lost (the draft step costs its
   embedding, norms, head and loop overhead): the most layer skipping can save over this draft.
 - ``skips of F``: the draft with the sublayers the draft file ``F`` skips (its attention ones, its MLP ones, both),
@@ -91,10 +97,17 @@ def exit_layers(model, path: DraftPath, prompt: list[int], continuation: list[in
         return len(layers) - agrees.flip(0).int().cumprod(0).sum(0) + 1
 
 
-def with_layer_costs(costs: CostModel, fmt: str, scale: float) -> CostModel:
-    """``costs`` with the draft format's per-sublayer costs times ``scale``."""
+def with_layer_costs(costs: CostModel, fmt: str, scale: float, attn: bool = True) -> CostModel:
+    """``costs`` with the draft format's per-sublayer costs times ``scale`` (its MLP sublayers' alone where not
+    ``attn``)."""
     c = costs.draft[fmt]
-    return replace(costs, draft={**costs.draft, fmt: replace(c, attn=c.attn * scale, mlp=c.mlp * scale)})
+    return replace(costs, draft={**costs.draft, fmt: replace(c, attn=c.attn * (scale if attn else 1.0), mlp=c.mlp * scale)})
+
+
+def mlp_share(keep: float) -> float:
+    """What a gated MLP that keeps the fraction ``keep`` of its channels reads of its weights: the gate whole, the
+    up rows and down columns of the kept channels."""
+    return (1.0 + 2.0 * keep) / 3.0
 
 
 def second_level(costs: CostModel, counts: RoundCounts, spec: DraftSpec, f: float) -> float:
@@ -163,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--levels", type=float, nargs="*", default=[0.5, 0.25], help="second-level layer fractions")
     ap.add_argument("--bits", type=int, nargs="*", default=[3, 2], help="draft weight bits to price")
     ap.add_argument("--contexts", type=int, nargs="*", default=[2048, 4096, 8192], help="context lengths to time")
+    ap.add_argument("--keep", type=float, nargs="*", default=[], help="fractions of MLP channels kept to price")
     ap.add_argument("--skips", nargs="*", default=[], help="draft files whose skipped sublayers to try on this draft")
     ap.add_argument("--top", type=int, default=64, help="candidates the exit oracle's head scores")
     ap.add_argument("--out", default="results/route_bounds.jsonl")
@@ -189,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         fits["int4 lsq, simulated"] = (spec.replace(options=replace(spec.options, int4_fit="lsq")), 1.0)
         fits |= {f"bits {b}, simulated": (spec.replace(options=replace(spec.options, int4_fit=f"lsq{b}")), b / INT4_BITS)
                  for b in args.bits if f"lsq{b}" in FEWER_LEVELS}
+    fits |= {f"MLP keep {f:g}, simulated": (spec.replace(options=replace(spec.options, mlp_keep=f)), mlp_share(f))
+             for f in args.keep}
     skip_counts = {label: simulated(label, d) for label, d in skipped.items()}
     fit_counts = {label: simulated(label, d) for label, (d, _) in fits.items()}
     print("measuring where the draft's tokens are decided", file=sys.stderr, flush=True)
@@ -212,8 +228,12 @@ def main(argv: list[str] | None = None) -> None:
             for b in args.bits:
                 routes.setdefault(f"bits {b}", {})[g] = with_layer_costs(costs, fmt, b / INT4_BITS).predicted_speedup(
                     counts[g], spec)
+        for f in args.keep:
+            routes.setdefault(f"MLP keep {f:g}", {})[g] = with_layer_costs(costs, fmt, mlp_share(f), attn=False) \
+                .predicted_speedup(counts[g], spec)
         for label, (d, scale) in fits.items():
-            routes.setdefault(label, {})[g] = with_layer_costs(costs, fmt, scale).predicted_speedup(fit_counts[label][g], d)
+            priced = with_layer_costs(costs, fmt, scale, attn=not label.startswith("MLP"))
+            routes.setdefault(label, {})[g] = priced.predicted_speedup(fit_counts[label][g], d)
     longest = max(costs.t_verify)
     context_costs = {}
     no_attn = replace(spec, plan=SkipPlan(n, attn=tuple(range(n)), mlp=spec.plan.mlp))

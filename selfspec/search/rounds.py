@@ -84,6 +84,7 @@ def forward_key(spec: DraftSpec) -> tuple:
     key = spec.plan.attn, spec.plan.mlp, o.weights, groups, o.head_tokens, o.head_weights
     key += (o.int4_fit,) if o.int4 and o.int4_fit != "minmax" else ()
     key += (o.head_ids,) if o.head_ids != "lowest" else ()
+    key += (("mlp_keep", round(o.mlp_keep, 3)),) if o.mlp_keep < 1.0 else ()
     return key + (("rescore", o.head_rescore),) if o.head_rescore else key
 
 

@@ -101,7 +101,8 @@ def test_route_bounds_price_each_route_on_the_drafts_own_rounds(tmp_path, capsys
     draft["options"] |= {"weights": "int4", "group_size": 32}  # int4 layers: the routes of fewer bits apply
     plan.write_text(json.dumps(draft))
     p = _run(capsys, "route-bounds", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens",
-             "12", "--groups", "--levels", "0.5", "--contexts", "40", "--top", "8", "--dtype", "float32", "--out", str(out))
+             "12", "--groups", "--levels", "0.5", "--contexts", "40", "--top", "8", "--keep", "0.5", "--dtype", "float32",
+             "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     routes, n = record["summary"], json.loads(plan.read_text())["num_layers"]
@@ -110,10 +111,12 @@ def test_route_bounds_price_each_route_on_the_drafts_own_rounds(tmp_path, capsys
     assert routes["exit oracle"] >= routes["as found"] * 0.999  # its layers cost at most what they cost
     assert routes["context 40 no attention"] >= routes["context 40"] * 0.999
     assert 0 <= record["contexts"]["40"]["attention_share_of_draft_step"] < 1 and "exit oracle" in p.stdout
-    fewer = {"int4 lsq, simulated", "bits 3, simulated", "bits 2, simulated"}  # simulated, each at its bits' price
+    fewer = {"int4 lsq, simulated", "bits 3, simulated", "bits 2, simulated",  # simulated, each at its bits' price
+             "MLP keep 0.5, simulated"}
     assert fewer <= set(routes) and set(record["fit_counts"]) == fewer and all(routes[r] > 0 for r in fewer)
     # the bounds: the same rounds with cheaper layers (equal where the found draft drafts nothing through them)
     assert routes["bits 2"] >= routes["bits 3"] * 0.999 and routes["bits 3"] >= routes["as found"] * 0.999
+    assert routes["bits 2"] >= routes["MLP keep 0.5"] >= routes["as found"] * 0.999  # 2/3 of the MLPs' cost, no attention
 
 
 def test_skip_scan_simulates_each_kept_sublayer_skipped_and_adds_the_best(tmp_path, capsys, tiny_study):
