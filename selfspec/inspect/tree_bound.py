@@ -3,7 +3,8 @@
     selfspec-inspect tree-bound results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v8.db \
         --draft results/plans/qwen2.5-coder-1.5b-default.json [--tokens 128] \
         [--groups humaneval gsm8k mtbench summarization] [--branch 0.3 0.6 0.99] [--nodes 8 12] \
-        [--k 3 4 6 8 10] [--adaptive 0.2 0.4 0.6] [--grow 8 10] [--dtype bfloat16] [--out results/tree_bound.jsonl]
+        [--k 3 4 6 8 10] [--adaptive 0.2 0.4 0.6] [--grow 8 10] [--stop] [--dtype bfloat16] \
+        [--out results/tree_bound.jsonl]
 
 Decodes the study's calibration prompts with our AR (``--tokens`` each) and simulates the draft's rounds on those
 continuations (:mod:`selfspec.search.simulate`, exact for greedy decoding):
@@ -23,7 +24,11 @@ continuations (:mod:`selfspec.search.simulate`, exact for greedy decoding):
   exit, its threshold moving as decoding runs it);
 - ``grow k=k..K`` for every ``--grow`` ``K`` above the draft's depth ``k``: the draft as found, its model drafts one token longer
   after each round that drafted its full length and had it all accepted, up to ``K``, back to its own depth after
-  any other (``k_max``, :class:`~selfspec.engine.speculate.DraftLength`).
+  any other (``k_max``, :class:`~selfspec.engine.speculate.DraftLength`);
+- ``stop k=K`` with ``--stop``, for the draft's depth and every ``--k``: the draft as found at depth ``K`` without its
+  adaptive exit, each model-drafted chain stopping exactly where the target's continuation does (it drafts the
+  tokens it will accept and no more; a round that would accept none takes a plain step): the bound of every rule
+  that decides when to stop drafting (an adaptive exit, a learned one), priced as the shorter chains it drafts.
 
 Every variant is priced by a cost model measured now, on the kernels checked out (a tree of ``n`` nodes verifies
 ``n + 1`` rows; the oracle is priced as the chain, so its price is a bound too). Prints, per group of prompts and
@@ -122,21 +127,23 @@ def main(argv: list[str] | None = None) -> None:
                     help="adaptive exit thresholds to simulate at the draft's depth and every --k (none: no such variants)")
     ap.add_argument("--grow", type=int, nargs="*", default=[],
                     help="longest growing model drafts (k_max) to simulate from the draft's depth (none: no such variants)")
+    ap.add_argument("--stop", action="store_true", help="also the stopping oracle at the draft's depth and every --k")
     ap.add_argument("--out", default="results/tree_bound.jsonl")
     args = ap.parse_args(argv)
     name, lm, spec, prompts, groups = replayed(args)
     drafts = variants(spec, args.branch, args.nodes, args.k, args.adaptive, args.grow)
     oracles = {ORACLE: drafts["chain"]} | {n.replace("chain", ORACLE, 1): d for n, d in drafts.items()
                                            if n.startswith("chain k=")}
+    stops = {f"stop k={k}": replace(spec, k=k, adaptive=False) for k in sorted({spec.k, *args.k})} if args.stop else {}
     conts = ar_continuations(lm, prompts, args.tokens)
     print("measuring the cost model", file=sys.stderr, flush=True)
-    costs = costs_for_drafts(lm, prompts[0] + conts[0], list(drafts.values()))
+    costs = costs_for_drafts(lm, prompts[0] + conts[0], [*drafts.values(), *stops.values()])
     sim = RoundSimulator(lm.model, prompts, conts, lm.eos_ids)
     rows = []
-    for label, d in [*drafts.items(), *oracles.items()]:
+    for label, d in [*drafts.items(), *oracles.items(), *stops.items()]:
         print(f"simulating {label}", file=sys.stderr, flush=True)
         for group, idx in groups:
-            counts = sim.simulate(d, prompts=idx, oracle=label in oracles)
+            counts = sim.simulate(d, prompts=idx, oracle=label in oracles, stop=label in stops)
             rows.append({"variant": label, "group": group, "tokens_per_round": counts.tokens_per_round,
                          "acceptance": counts.acceptance, "decode_speedup": costs.predicted_speedup(counts, d),
                          "rounds": counts.to_dict()})
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{costs.machine.get('kernels', '?')})")
     print("variant".ljust(22) + "".join(f"{g[:13]:>16}" for g in names) + f"{'mean':>16}")
     summary = {}
-    for label in [*drafts, *oracles]:
+    for label in [*drafts, *oracles, *stops]:
         tpr = [by[(label, g)]["tokens_per_round"] for g in names]
         gain = [t / by[("chain", g)]["tokens_per_round"] for g, t in zip(names, tpr)]
         speed = [by[(label, g)]["decode_speedup"] for g in names]

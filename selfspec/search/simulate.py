@@ -124,19 +124,22 @@ class RoundSimulator:
         return DraftPath(self.model, spec.plan, spec.options, stop_ids=self.stop_ids)
 
     def simulate(self, spec: DraftSpec, path: DraftPath | None = None, prompts: Sequence[int] | None = None,
-                 oracle: bool = False) -> RoundCounts:
+                 oracle: bool = False, stop: bool = False) -> RoundCounts:
         """Round counts of ``spec`` over the prompts (all of them, or the indices in ``prompts``).
 
         ``oracle``: every model-drafted round accepts all it drafted (copy rounds as simulated): the rounds
         of a draft tree that always holds the target's continuation to the draft's depth, the most any
-        tree of that depth over this draft can accept (the bound :mod:`scripts.tree_bound` reports)."""
+        tree of that depth over this draft can accept (the bound :mod:`scripts.tree_bound` reports).
+        ``stop``: every model-drafted chain stops where the target's continuation does, drafting the tokens it
+        will accept and no more (a round that would accept none takes a plain step): the most any rule that
+        decides when to stop drafting can save over this draft at its depth."""
         path = path or self.draft_path(spec)
         rows = list(prompts) if prompts is not None else list(range(len(self.prompts)))
         memo = self.memo.setdefault(forward_key(spec), {})
         total = RoundCounts()
         heads = None
         with torch.inference_mode(), packed_weights(self.model), decode_attention(self.model):
-            replays = {b: self._replay(spec, b, oracle) for b in rows}
+            replays = {b: self._replay(spec, b, oracle, stop) for b in rows}
             pending: dict[int, tuple[int, int, bool]] = {}  # prompt -> the round (i, k, lazy) it waits on
             sent: dict[int, tuple[int, int]] = {}  # prompt -> (i, positions) last sent to its replay
             held: dict[int, tuple[int, int]] = {}  # prompt -> (i, positions) whose keys/values its scratch holds
@@ -246,7 +249,7 @@ class RoundSimulator:
         return logits
 
     def _replay(self, spec: DraftSpec, index: int,
-                oracle: bool = False) -> Generator[tuple[int, int, bool], Drafted, RoundCounts]:
+                oracle: bool = False, stop: bool = False) -> Generator[tuple[int, int, bool], Drafted, RoundCounts]:
         """The rounds of one prompt, as the loop runs them; yields ``(i, k, lazy)`` for each model-drafted
         round and is sent the draft's outputs over the first positions of ``c[i:i+k]`` (:class:`Drafted`); it
         yields the same round again while those do not decide it (all ``k`` positions, or with ``lazy`` a
@@ -305,6 +308,13 @@ class RoundSimulator:
                         drafted_out, c, i, k, threshold, branch, opts.tree_nodes, copies)
                 if oracle:
                     accepted = depth
+                elif stop and nodes <= modelled and accepted < modelled:  # a chain drafts what it will accept
+                    if not accepted:
+                        out.plain_steps += 1
+                        out.tokens += 1
+                        i += 1
+                        continue
+                    modelled = depth = nodes = accepted
                 length.update(modelled, accepted)
                 if nodes > modelled:
                     out.tree_rounds[(modelled, nodes)] += 1

@@ -66,15 +66,17 @@ def test_overhead_spread_measures_the_loop_overheads_again_and_again(tmp_path, c
 def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, capsys, tiny_study):
     out, plan = tmp_path / "bound.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
     p = _run(capsys, "tree-bound", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens", "12",
-             "--groups", "--branch", "0.5", "--nodes", "6", "--k", "1", "7", "--adaptive", "0.5", "--dtype", "float32",
-             "--out", str(out))
+             "--groups", "--branch", "0.5", "--nodes", "6", "--k", "1", "7", "--adaptive", "0.5", "--stop", "--dtype",
+             "float32", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["groups"] == ["all"] and record["machine"] and record["costs"]["t_full"] > 0
     k = json.loads(plan.read_text())["k"]
     depths = {f"{kind} k={d}" for d in (1, 7) if d != k for kind in ("chain", "oracle")}
     adaptive = {f"adaptive k={d}/0.5" for d in {1, 7, k}}
-    assert set(record["summary"]) == {"chain", "as found", "tree copies only/6", "tree 0.5/6", "oracle", *depths, *adaptive}
+    stops = {f"stop k={d}" for d in {1, 7, k}}
+    assert set(record["summary"]) == {"chain", "as found", "tree copies only/6", "tree 0.5/6", "oracle", *depths, *adaptive,
+                                      *stops}
     rows = {r["variant"]: r for r in record["rows"]}
     assert {r["rounds"]["tokens"] for r in rows.values()} == {rows["chain"]["rounds"]["tokens"]}  # same continuations
     for label in [lab for lab in rows if lab.startswith("oracle")]:
@@ -82,6 +84,9 @@ def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, capsys, tiny_
         assert rows[label]["tokens_per_round"] >= chain["tokens_per_round"]
         assert rows[label]["decode_speedup"] >= chain["decode_speedup"] * 0.999
     assert record["summary"]["chain"]["tokens_gain"] == 1.0 and "oracle" in p.stdout
+    for d in {1, 7, k}:  # a chain stopped where the target's continuation stops: the same tokens, no more drafted
+        stop, chain = rows[f"stop k={d}"]["rounds"], rows["chain" if d == k else f"chain k={d}"]["rounds"]
+        assert stop["tokens"] == chain["tokens"] and stop["accepted"] == chain["accepted"] and stop["drafted"] <= chain["drafted"]
     # a model draft of the tiny random model drafts every token far under 0.99: an exit there stops after one token,
     # so at any depth it drafts as a chain of k=1 does
     modeled = DraftSpec.load(plan)

@@ -182,3 +182,22 @@ def test_the_oracle_accepts_every_model_draft(make_model, name):
         assert oracle.accepted == oracle.drafted
         if not spec.adaptive:
             assert max(oracle.model_rounds) == spec.k and sum(oracle.model_rounds.values()) <= -(-30 // (spec.k + 1)) * 4
+
+
+@pytest.mark.parametrize("name", ["skip", "copy"])
+def test_the_stopping_oracle_drafts_exactly_what_the_target_accepts(make_model, name):
+    """The stopping oracle makes the draft's rounds with each model chain cut after its accepted tokens: the same
+    tokens, accepted and rounds, fewer drafted (every model-drafted token accepted), copies as the draft's."""
+    model = make_model("llama", torch.float64)
+    spec = SPECS[name]
+    conts = _continuations(model, 30)
+    sim = RoundSimulator(model, PROMPTS, conts)
+    real, stop = sim.simulate(spec), sim.simulate(spec, stop=True)
+    assert real.accepted < real.drafted, "the tiny model's draft should miss somewhere"
+    assert (stop.tokens, stop.accepted) == (real.tokens, real.accepted)
+    assert stop.rounds + stop.plain_steps == real.rounds + real.plain_steps  # the same rounds, where they fall
+    assert stop.drafted < real.drafted
+    if not spec.options.ngram:
+        assert stop.accepted == stop.drafted
+    assert stop.copy_rounds == real.copy_rounds  # copies as the draft makes them
+    assert stop.plain_steps - real.plain_steps == real.model_rounds.total() - stop.model_rounds.total() > 0
