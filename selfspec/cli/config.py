@@ -117,8 +117,9 @@ def search_settings(cfg: DictConfig) -> SearchSettings:
 
 
 def decode_config(cfg: DictConfig, dataset_max_new: int, spec: DraftSpec | None) -> DecodeConfig:
-    """``cfg.decoding`` as :class:`DecodeConfig`. ``max_new_tokens: null`` takes the dataset's; ``k``,
-    ``adaptive`` and ``threshold`` null take the draft file's (the defaults without one); ``rows: null`` the CPU's."""
+    """``cfg.decoding`` as :class:`DecodeConfig`. ``max_new_tokens: null`` takes the dataset's; the draft-length
+    policy's keys (``k``, ``adaptive``, ``threshold``, ``k_max``, ``threshold_step``) null take the draft file's (the
+    defaults without one); ``rows: null`` the CPU's."""
     d = plain(cfg.decoding)
     sampling = typed(SamplingParams, {key: d.pop(key) for key in ("temperature", "top_k", "top_p") if key in d},
                      "decoding")

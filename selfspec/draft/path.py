@@ -63,6 +63,8 @@ HEAD_IDS = ("lowest", "frequent")  # a cut head's base ids (head_ids)
 DEFAULT_K = 4  # draft tokens per round
 DEFAULT_ADAPTIVE = False  # the adaptive exit: stop drafting after a token the draft is unsure of
 DEFAULT_THRESHOLD = 0.5  # the adaptive exit's starting threshold
+# after each round the adaptive exit's threshold moves by this toward the running acceptance's target; 0 = fixed
+DEFAULT_THRESHOLD_STEP = 0.05
 DEFAULT_K_MAX = 0  # a model draft grows past k, one token after each round accepted whole, up to this (0: no growth)
 
 

@@ -18,14 +18,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from selfspec.draft.path import DEFAULT_ADAPTIVE, DEFAULT_K, DEFAULT_K_MAX, DEFAULT_THRESHOLD, DraftOptions
+from selfspec.draft.path import (
+    DEFAULT_ADAPTIVE,
+    DEFAULT_K,
+    DEFAULT_K_MAX,
+    DEFAULT_THRESHOLD,
+    DEFAULT_THRESHOLD_STEP,
+    DraftOptions,
+)
 from selfspec.errors import PlanError, SelfSpecError
 from selfspec.model.plan import PLAN_FORMAT, SkipPlan, read_json, write_json
 
 DRAFT_FORMAT = "selfspec.draft/2"
 DRAFT_KEYS = frozenset({"format", "model", "num_layers", "attn", "mlp", "options", "k", "adaptive", "threshold",
-                        "k_max", "measured", "provenance"})  # the fields of a draft file (DraftSpec.to_dict)
-LENGTH = ("k", "adaptive", "threshold", "k_max")  # the draft-length policy: a draft file's, a run's decoding settings override it
+                        "k_max", "threshold_step", "measured", "provenance"})  # the fields of a draft file (DraftSpec.to_dict)
+# the draft-length policy: a draft file's, a run's decoding settings override it
+LENGTH = ("k", "adaptive", "threshold", "k_max", "threshold_step")
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class DraftSpec:
     adaptive: bool = DEFAULT_ADAPTIVE
     threshold: float = DEFAULT_THRESHOLD
     k_max: int = DEFAULT_K_MAX
+    threshold_step: float = DEFAULT_THRESHOLD_STEP
     measured: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +56,9 @@ class DraftSpec:
             raise PlanError(f"threshold must be a number in [0, 1), got {self.threshold!r}")
         if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 0:
             raise PlanError(f"k_max must be an integer >= 0 (0: no growth), got {self.k_max!r}")
+        if isinstance(self.threshold_step, bool) or not isinstance(self.threshold_step, (int, float)) \
+                or not 0.0 <= self.threshold_step < 1.0:
+            raise PlanError(f"threshold_step must be a number in [0, 1) (0: a fixed threshold), got {self.threshold_step!r}")
         if self.k_max <= self.k:  # a draft that cannot grow past k is the fixed-k draft: one field, one key, one file
             object.__setattr__(self, "k_max", 0)
 
@@ -86,6 +98,8 @@ class DraftSpec:
             key += (("head_ids", o.head_ids),)
         if self.k_max:
             key += (("k_max", self.k_max),)
+        if self.adaptive and self.threshold_step != DEFAULT_THRESHOLD_STEP:
+            key += (("threshold_step", round(self.threshold_step, 3)),)
         if o.mlp_keep < 1.0:
             key += (("mlp_keep", round(o.mlp_keep, 3)),)
         return key
@@ -115,7 +129,9 @@ class DraftSpec:
             tree += [f"{o.copy_fallback}-gram copies beside the model draft"] if o.copy_fallback else []
             parts.append(f"tree ({', '.join(tree)}, <= {o.tree_nodes} nodes)")
         parts.append(f"k={self.k}" + (f" growing to {self.k_max}" if self.k_max else "")
-                     + (f" adaptive {self.threshold:.2f}" if self.adaptive else ""))
+                     + (f" adaptive {self.threshold:.2f}" if self.adaptive else "")
+                     + ((" fixed" if not self.threshold_step else f" step {self.threshold_step:g}")
+                        if self.adaptive and self.threshold_step != DEFAULT_THRESHOLD_STEP else ""))
         return ", ".join(parts)
 
     def replace(self, **changes) -> DraftSpec:
@@ -134,6 +150,7 @@ class DraftSpec:
             "adaptive": self.adaptive,
             "threshold": self.threshold,
             **({"k_max": self.k_max} if self.k_max else {}),
+            **({"threshold_step": self.threshold_step} if self.threshold_step != DEFAULT_THRESHOLD_STEP else {}),
             "measured": self.measured,
             "provenance": self.plan.provenance,
         }
@@ -167,7 +184,8 @@ class DraftSpec:
             plan = SkipPlan.from_dict({**data, "format": PLAN_FORMAT, "provenance": provenance})
             return cls(plan, DraftOptions(**options), k=data.get("k", cls.k), adaptive=data.get("adaptive", cls.adaptive),
                        threshold=data.get("threshold", cls.threshold),
-                       k_max=data.get("k_max", cls.k_max), measured=dict(data.get("measured") or {}))
+                       k_max=data.get("k_max", cls.k_max), threshold_step=data.get("threshold_step", cls.threshold_step),
+                       measured=dict(data.get("measured") or {}))
         except TypeError as e:
             raise PlanError(f"{where}: {e}") from None
         except SelfSpecError as e:

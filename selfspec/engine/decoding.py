@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.draft.fused import draft_step
-from selfspec.draft.path import DEFAULT_ADAPTIVE, DEFAULT_K, DEFAULT_K_MAX, DEFAULT_THRESHOLD
+from selfspec.draft.path import DEFAULT_ADAPTIVE, DEFAULT_K, DEFAULT_K_MAX, DEFAULT_THRESHOLD, DEFAULT_THRESHOLD_STEP
 from selfspec.engine.attention import ATTENTION, REAL_ROWS, ROW_INVARIANT, decode_attention
 from selfspec.engine.cache import PositionalKVCache, cache_kwargs
 from selfspec.engine.sampling import (
@@ -51,7 +51,7 @@ class DecodeConfig:
     Adaptive draft exit (Draft & Verify): drafting stops after a token whose
     draft probability is below ``threshold``; after each round the threshold
     moves up by ``threshold_step`` when the running acceptance is under
-    ``target_acceptance`` and down otherwise.
+    ``target_acceptance`` and down otherwise (``threshold_step`` 0: a fixed threshold).
 
     ``packed_weights``: run the model's bf16 linears on copies prepacked for
     oneDNN (:mod:`selfspec.kernels.packed`; same tokens, faster steps, the copies'
@@ -96,7 +96,7 @@ class DecodeConfig:
     adaptive: bool = DEFAULT_ADAPTIVE
     threshold: float = DEFAULT_THRESHOLD
     k_max: int = DEFAULT_K_MAX
-    threshold_step: float = 0.05
+    threshold_step: float = DEFAULT_THRESHOLD_STEP
     target_acceptance: float = 0.7
     fallback: bool = True
     fallback_min_rounds: int = 8

@@ -237,7 +237,8 @@ def split_variant(name: str) -> tuple[str, str]:
 # decoding settings a method (variant) may set for itself (method_options.<name>.decoding): how our loop
 # pads its forwards and reduces its attention, the draft's length policy and the model-draft gate; the rest
 # (max_new_tokens, sampling, ...) a run shares
-PER_METHOD_DECODING = ("rows", "row_invariant", "k", "adaptive", "threshold", "k_max", "gate", "gate_probe")
+PER_METHOD_DECODING = ("rows", "row_invariant", "k", "adaptive", "threshold", "threshold_step", "k_max", "gate",
+                       "gate_probe")
 
 
 def options_key(name: str) -> str:

@@ -42,6 +42,15 @@ def test_a_growing_draft_round_trips_and_is_another_draft(tmp_path):
     assert (grow.longest_draft, FULL.replace(k_max=3).longest_draft) == (8, 4)  # k = 4
 
 
+def test_a_fixed_threshold_round_trips_and_is_another_draft(tmp_path):
+    fixed = FULL.replace(threshold_step=0.0)
+    back = DraftSpec.load(fixed.save(tmp_path / "d.json"))
+    assert back == fixed and back.length["threshold_step"] == 0.0 and "adaptive 0.40 fixed" in back.describe()
+    assert back.key != FULL.key and "threshold_step" not in FULL.to_dict()  # the default writes the file as before
+    assert FULL.length["threshold_step"] == 0.05 and "fixed" not in FULL.describe()
+    assert FULL.replace(adaptive=False, threshold_step=0.0).key == FULL.replace(adaptive=False).key  # no exit: unused
+
+
 def test_an_older_skip_plan_file_loads_as_a_draft(tmp_path):
     path = SkipPlan(6, attn=(2,), provenance={"k": 3}).save(tmp_path / "p.json")
     spec = DraftSpec.load(path)
@@ -53,6 +62,7 @@ def test_an_older_skip_plan_file_loads_as_a_draft(tmp_path):
     (lambda d: {**d, "attn": None}, "attn must be a list"),
     (lambda d: {**d, "k": "four"}, "k must be an integer"),
     (lambda d: {**d, "k_max": -2}, "k_max must be an integer"),
+    (lambda d: {**d, "threshold_step": 1.5}, "threshold_step must be a number"),
     (lambda d: {**d, "provenance": [1]}, "provenance must be an object"),
     (lambda d: {**d, "options": {"weights": "int3"}}, "draft weights must be one of"),
     (lambda d: {**d, "options": {"wieghts": "int4"}}, "unexpected keyword"),

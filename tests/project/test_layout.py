@@ -82,7 +82,8 @@ def test_decoding_defaults_are_written_once():
     conf = _yaml("decoding/default.yaml")
     code = {**defaults(DecodeConfig), **defaults(SamplingParams)}
     code.pop("sampling")
-    null_means_elsewhere = {"max_new_tokens", "k", "adaptive", "threshold", "k_max", "rows"}  # the dataset's, draft file's, CPU's
+    # the dataset's, the draft file's, the CPU's
+    null_means_elsewhere = {"max_new_tokens", "k", "adaptive", "threshold", "k_max", "threshold_step", "rows"}
     assert set(conf) == set(code)
     for key, value in conf.items():
         if key in null_means_elsewhere:

@@ -21,6 +21,7 @@ SPECS = {
     "short_copy": DraftSpec(SkipPlan(N_LAYERS, attn=(2,)), DraftOptions(ngram=3, min_ngram=1, copy_tokens=6), k=2),
     "head": DraftSpec(SkipPlan(N_LAYERS, mlp=(1,)), DraftOptions(head_tokens=40), k=4),
     "adaptive": DraftSpec(SkipPlan(N_LAYERS, attn=(1,)), k=4, adaptive=True, threshold=0.3),
+    "adaptive_fixed": DraftSpec(SkipPlan(N_LAYERS, attn=(1,)), k=4, adaptive=True, threshold=0.3, threshold_step=0.0),
     "grow": DraftSpec(SkipPlan(N_LAYERS, mlp=(2,)), DraftOptions(ngram=3, copy_tokens=4), k=1, k_max=5),
     "grow_tree": DraftSpec(SkipPlan(N_LAYERS, mlp=(2,)), DraftOptions(ngram=1, copy_tokens=6, copy_candidates=3,
                                                                       tree_nodes=10), k=1, k_max=4),
