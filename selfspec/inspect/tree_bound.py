@@ -3,7 +3,7 @@
     selfspec-inspect tree-bound results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v8.db \
         --draft results/plans/qwen2.5-coder-1.5b-default.json [--tokens 128] \
         [--groups humaneval gsm8k mtbench summarization] [--branch 0.3 0.6 0.99] [--nodes 8 12] \
-        [--k 3 4 6 8 10] [--adaptive 0.2 0.4 0.6] [--grow 8 10] [--stop] [--dtype bfloat16] \
+        [--k 3 4 6 8 10] [--adaptive 0.2 0.4 0.6] [--fixed] [--grow 8 10] [--stop] [--dtype bfloat16] \
         [--out results/tree_bound.jsonl]
 
 Decodes the study's calibration prompts with our AR (``--tokens`` each) and simulates the draft's rounds on those
@@ -21,7 +21,8 @@ continuations (:mod:`selfspec.search.simulate`, exact for greedy decoding):
   bounds the speed of every such tree over this draft (copy rounds as the chain's);
 - ``adaptive k=K/t`` for the draft's own depth and every ``--k``, and every ``--adaptive`` threshold ``t``: the draft
   as found, drafting up to ``K`` tokens and stopping after one drafted with probability under ``t`` (the adaptive
-  exit, its threshold moving as decoding runs it);
+  exit, its threshold moving as decoding runs it); with ``--fixed``, ``fixed k=K/t`` too: the same with the threshold
+  fixed at ``t`` (``threshold_step: 0``);
 - ``grow k=k..K`` for every ``--grow`` ``K`` above the draft's depth ``k``: the draft as found, its model drafts one token longer
   after each round that drafted its full length and had it all accepted, up to ``K``, back to its own depth after
   any other (``k_max``, :class:`~selfspec.engine.speculate.DraftLength`);
@@ -56,9 +57,10 @@ ORACLE = "oracle"
 
 
 def variants(spec: DraftSpec, branches: list[float], nodes: list[int], ks: list[int],
-             thresholds: list[float] = (), grow: list[int] = ()) -> dict[str, DraftSpec]:
+             thresholds: list[float] = (), grow: list[int] = (), fixed: bool = False) -> dict[str, DraftSpec]:
     """The chain, the draft as found, its trees, the chain at other depths, the draft with an adaptive exit at
-    each depth and the draft growing to each of ``grow``, by name (the oracles are chains)."""
+    each depth (moving, and with ``fixed`` fixed too) and the draft growing to each of ``grow``, by name (the oracles
+    are chains)."""
     chain = replace(spec, options=replace(spec.options, copy_candidates=1, branch_below=0.0))
     out = {"chain": chain, "as found": spec}
     for k in ks:
@@ -73,6 +75,8 @@ def variants(spec: DraftSpec, branches: list[float], nodes: list[int], ks: list[
     for k in sorted({spec.k, *ks}):
         for t in thresholds:
             out[f"adaptive k={k}/{t:g}"] = replace(spec, k=k, adaptive=True, threshold=t)
+            if fixed:
+                out[f"fixed k={k}/{t:g}"] = replace(spec, k=k, adaptive=True, threshold=t, threshold_step=0.0)
     for top in grow:
         if top > spec.k:
             out[f"grow k={spec.k}..{top}"] = replace(spec, k_max=top)
@@ -127,11 +131,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="adaptive exit thresholds to simulate at the draft's depth and every --k (none: no such variants)")
     ap.add_argument("--grow", type=int, nargs="*", default=[],
                     help="longest growing model drafts (k_max) to simulate from the draft's depth (none: no such variants)")
+    ap.add_argument("--fixed", action="store_true", help="also each adaptive exit with its threshold fixed")
     ap.add_argument("--stop", action="store_true", help="also the stopping oracle at the draft's depth and every --k")
     ap.add_argument("--out", default="results/tree_bound.jsonl")
     args = ap.parse_args(argv)
     name, lm, spec, prompts, groups = replayed(args)
-    drafts = variants(spec, args.branch, args.nodes, args.k, args.adaptive, args.grow)
+    drafts = variants(spec, args.branch, args.nodes, args.k, args.adaptive, args.grow, args.fixed)
     oracles = {ORACLE: drafts["chain"]} | {n.replace("chain", ORACLE, 1): d for n, d in drafts.items()
                                            if n.startswith("chain k=")}
     stops = {f"stop k={k}": replace(spec, k=k, adaptive=False) for k in sorted({spec.k, *args.k})} if args.stop else {}

@@ -66,14 +66,14 @@ def test_overhead_spread_measures_the_loop_overheads_again_and_again(tmp_path, c
 def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, capsys, tiny_study):
     out, plan = tmp_path / "bound.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
     p = _run(capsys, "tree-bound", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens", "12",
-             "--groups", "--branch", "0.5", "--nodes", "6", "--k", "1", "7", "--adaptive", "0.5", "--stop", "--dtype",
-             "float32", "--out", str(out))
+             "--groups", "--branch", "0.5", "--nodes", "6", "--k", "1", "7", "--adaptive", "0.5", "--fixed", "--stop",
+             "--dtype", "float32", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["groups"] == ["all"] and record["machine"] and record["costs"]["t_full"] > 0
     k = json.loads(plan.read_text())["k"]
     depths = {f"{kind} k={d}" for d in (1, 7) if d != k for kind in ("chain", "oracle")}
-    adaptive = {f"adaptive k={d}/0.5" for d in {1, 7, k}}
+    adaptive = {f"{rule} k={d}/0.5" for d in {1, 7, k} for rule in ("adaptive", "fixed")}
     stops = {f"stop k={d}" for d in {1, 7, k}}
     assert set(record["summary"]) == {"chain", "as found", "tree copies only/6", "tree 0.5/6", "oracle", *depths, *adaptive,
                                       *stops}
