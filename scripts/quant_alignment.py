@@ -103,7 +103,7 @@ def main() -> None:
     for label, d in {**drafts, BOUND: spec}.items():
         by = {g: costs.predicted_speedup(counts[label][g], d) for g in names}
         tokens = sum(c.tokens for c in counts[label].values())
-        rounds = sum(c.tokens / c.tokens_per_round for c in counts[label].values() if c.tokens_per_round)
+        rounds = sum(c.tokens / c.tokens_per_round for c in counts[label].values() if c.rounds)
         g, fit = fit_of.get(label, (None, None))
         if g and (g, fit) not in errors:  # once per fit: a draft with the head rescored has its fit's layers
             errors[g, fit] = output_error(lm.model, "int4", g, fit, args.layers)

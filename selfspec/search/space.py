@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import optuna
 
 from selfspec.draft.lowbit import FITS
-from selfspec.draft.path import WEIGHTS, DraftOptions
+from selfspec.draft.path import DEFAULT_THRESHOLD_STEP, WEIGHTS, DraftOptions
 from selfspec.draft.spec import DraftSpec
 from selfspec.errors import SelfSpecError
 from selfspec.model.plan import SkipPlan
@@ -70,6 +70,7 @@ class DraftDims:
     k_max: tuple[int, ...] = (0,)  # a model draft grows past k while rounds are accepted whole, up to this (0: never)
     adaptive: tuple[bool, ...] = (False, True)
     threshold: tuple[float, ...] = (0.2, 0.4, 0.6)
+    threshold_step: tuple[float, ...] = (0.05, 0.0)  # the exit's threshold moves by this a round (0: fixed)
     ngram: tuple[int, ...] = (0, 2, 3, 4, 8)  # 8: the longest match of up to 8 tokens picks the occurrence (min_ngram)
     copy_tokens: tuple[int, ...] = (0, 5, 10)
     min_ngram: tuple[int, ...] = (0, 1, 2)  # shortest match copied when the n-gram has none (m < ngram; 0 = n-gram only)
@@ -95,6 +96,8 @@ class DraftDims:
         for name in ("copy_per_match", "head_rescore", "k_max"):
             if min(getattr(self, name)) < 0:
                 raise SelfSpecError(f"search.space.{name} values must be >= 0 (0: off)")
+        if not all(0.0 <= s < 1.0 for s in self.threshold_step):
+            raise SelfSpecError("search.space.threshold_step values must be in [0, 1) (0: a fixed threshold)")
         if True not in self.model_draft and 0 in self.ngram:
             raise SelfSpecError("search.space.model_draft=[false] searches copy-only drafts, but search.space.ngram "
                                 "holds 0 (no copying), which only a model draft can run: drop 0 from it, "
@@ -161,13 +164,14 @@ class SearchSpace:
         return {"num_layers": self.num_layers, "min_skipped": self.min_skipped, "max_skipped": self.max_skipped,
                 "protect_first_last": self.protect_first_last,
                 # copy_fallback, min_ngram, copy_per_match, head_weights, model_draft, skipping, int4_fit,
-                # head_rescore, head_ids and k_max only when searched or set, so studies made before them still resume
+                # head_rescore, head_ids, k_max and threshold_step only when searched or set, so studies made before
+                # them still resume
                 "dims": {k: list(v) for k, v in asdict(self.dims).items()
                          if (k, v) not in (("copy_fallback", (0,)), ("min_ngram", (0,)), ("copy_per_match", (0,)),
                                            ("head_weights", ("model",)), ("model_draft", (True,)),
                                            ("skipping", (True,)), ("int4_fit", ("minmax",)),
                                            ("head_rescore", (0,)), ("head_ids", ("lowest",)),
-                                           ("k_max", (0,)))}}
+                                           ("k_max", (0,)), ("threshold_step", (DEFAULT_THRESHOLD_STEP,)))}}
 
     # -- params <-> drafts -------------------------------------------------------------
     def _option_dims(self) -> dict[str, tuple]:
@@ -176,7 +180,8 @@ class SearchSpace:
         skipping = tuple(v for v in d.skipping if v or not self.min_skipped) or (True,)
         return {"weights": d.weights, "group_size": d.group_size, "int4_fit": d.int4_fit, "head_tokens": d.head_tokens,
                 "head_ids": d.head_ids, "head_weights": d.head_weights, "head_rescore": d.head_rescore, "k": d.k,
-                "k_max": d.k_max, "adaptive": d.adaptive, "threshold": d.threshold, "ngram": d.ngram,
+                "k_max": d.k_max, "adaptive": d.adaptive, "threshold": d.threshold, "threshold_step": d.threshold_step,
+                "ngram": d.ngram,
                 "copy_tokens": d.copy_tokens,
                 "min_ngram": d.min_ngram, "copy_per_match": d.copy_per_match, "copy_candidates": d.copy_candidates,
                 "branch_below": d.branch_below,
@@ -190,13 +195,15 @@ class SearchSpace:
         values = {"weights": o.weights, "group_size": o.group_size, "int4_fit": o.int4_fit, "head_tokens": o.head_tokens,
                   "head_ids": o.head_ids, "head_weights": o.head_weights, "head_rescore": o.head_rescore, "k": spec.k,
                   "k_max": spec.k_max, "adaptive": spec.adaptive,
-                  "threshold": spec.threshold, "ngram": o.ngram, "copy_tokens": o.copy_tokens,
+                  "threshold": spec.threshold, "threshold_step": spec.threshold_step, "ngram": o.ngram,
+                  "copy_tokens": o.copy_tokens,
                   "min_ngram": o.min_ngram, "copy_per_match": o.copy_per_match, "copy_candidates": o.copy_candidates,
                   "branch_below": o.branch_below,
                   "tree_nodes": o.tree_nodes,
                   "copy_fallback": o.copy_fallback, "model_draft": o.model_draft,
                   "skipping": spec.plan.n_skipped > 0}
         unused = {"group_size": not o.int4, "int4_fit": not o.int4, "threshold": not spec.adaptive,
+                  "threshold_step": not spec.adaptive,
                   "head_rescore": o.head_weights == "model", "head_ids": not o.head_tokens,
                   "copy_tokens": not o.ngram, "min_ngram": o.ngram < 2, "copy_per_match": not o.ngram,
                   "copy_candidates": not o.ngram, "tree_nodes": not o.tree, "copy_fallback": o.ngram < 2,
@@ -206,7 +213,8 @@ class SearchSpace:
         if not o.model_draft:  # a copy-only draft has no model draft to shape
             unused.update(dict.fromkeys(("weights", "group_size", "int4_fit", "head_tokens", "head_ids", "head_weights",
                                          "head_rescore",
-                                         "adaptive", "threshold", "branch_below", "copy_fallback", "skipping"), True))
+                                         "adaptive", "threshold", "threshold_step", "branch_below", "copy_fallback",
+                                         "skipping"), True))
             unused["k"] = bool(o.copy_tokens)
         for name, choices in self._option_dims().items():
             if unused.get(name):  # a value the draft does not use: any of the space's will do
@@ -247,6 +255,7 @@ class SearchSpace:
             options = replace(options, tree_nodes=v["tree_nodes"])
         return DraftSpec(SkipPlan(self.num_layers, attn=attn, mlp=mlp, model=model), options, k=v["k"],
                          adaptive=v["adaptive"], threshold=v["threshold"] if v["adaptive"] else 0.5,
+                         threshold_step=v["threshold_step"] if v["adaptive"] else DEFAULT_THRESHOLD_STEP,
                          k_max=v["k_max"] if options.model_draft else 0)  # copies only: nothing grows
 
     def anchors(self) -> list[DraftSpec]:

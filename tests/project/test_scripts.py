@@ -143,7 +143,7 @@ def test_device_check_appends_one_row_on_the_cpu(tmp_path):
 def test_quant_alignment_prices_every_int4_fit_of_the_draft_the_head_s_share_and_the_bounds(tmp_path, tiny_study):
     out, found = tmp_path / "fits.jsonl", tiny_study.parent / "plans" / "tiny-llama-default.json"
     plan = json.loads(found.read_text())
-    plan["options"] |= {"head_weights": "int4", "head_rescore": 0}  # a quantized head: its share is priced too
+    plan["options"] |= {"head_weights": "int4", "head_rescore": 0, "model_draft": True}  # a quantized head, priced too
     (tmp_path / "draft.json").write_text(json.dumps(plan))
     p = _script("quant_alignment.py", str(tiny_study), "--name", "tiny-llama-default", "--draft",
                 str(tmp_path / "draft.json"), "--tokens", "12", "--groups", "--sizes", "32", "--layers", "0",

@@ -105,3 +105,18 @@ def test_growing_drafts_are_a_dimension_of_the_space():
     assert grows.spec_of({**grows.params_of(only), "k_max": 8}).k_max == 0  # copies only: nothing grows
     with pytest.raises(SelfSpecError, match="k_max values must be >= 0"):
         DraftDims(k_max=(-1,))
+
+
+def test_a_fixed_exit_threshold_is_a_dimension_of_the_space():
+    space = SearchSpace(6)
+    assert space.describe()["dims"]["threshold_step"] == [0.05, 0.0]  # searched by default
+    assert "threshold_step" not in SearchSpace(6, dims=DraftDims(threshold_step=(0.05,))).describe()["dims"]
+    fixed = DraftSpec(SkipPlan(6), DraftOptions(weights="int4", group_size=128), k=4, adaptive=True, threshold=0.4,
+                      threshold_step=0.0)
+    assert space.params_of(fixed)["threshold_step"] == 0.0 and space.spec_of(space.params_of(fixed)) == fixed
+    moving = space.spec_of({**space.params_of(fixed), "threshold_step": 0.05})
+    assert moving.threshold_step == 0.05 and moving.key != fixed.key
+    no_exit = space.spec_of({**space.params_of(fixed), "adaptive": False})  # no exit: the step is unused, one draft
+    assert no_exit.threshold_step == 0.05 and no_exit == space.spec_of({**space.params_of(no_exit), "threshold_step": 0.0})
+    with pytest.raises(SelfSpecError, match="threshold_step values"):
+        DraftDims(threshold_step=(1.0,))
