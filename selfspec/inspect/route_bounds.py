@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             routes.setdefault(f"MLP keep {f:g}", {})[g] = with_layer_costs(costs, fmt, mlp_share(f), attn=False) \
                 .predicted_speedup(counts[g], spec)
         for label, (d, scale) in fits.items():
-            priced = with_layer_costs(costs, fmt, scale, attn=not label.startswith("MLP"))
+            priced = with_layer_costs(costs, fmt, scale, attn=d.options.mlp_keep == 1.0)  # sparse MLPs: theirs alone
             routes.setdefault(label, {})[g] = priced.predicted_speedup(fit_counts[label][g], d)
     longest = max(costs.t_verify)
     context_costs = {}
