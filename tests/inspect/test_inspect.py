@@ -100,6 +100,31 @@ def test_tree_bound_simulates_chain_trees_and_the_oracle(tmp_path, capsys, tiny_
     assert drafted["adaptive k=7/0.99"] == drafted["adaptive k=3/0.99"] == drafted["chain k=1"] != drafted["chain k=7"]
 
 
+def test_stop_rules_price_rules_on_the_draft_probabilities_against_the_oracle(tmp_path, capsys, tiny_study):
+    draft = DraftSpec.load(tiny_study.parent / "plans" / "tiny-llama-default.json")
+    plan = replace(draft, options=replace(draft.options, model_draft=True)).save(tmp_path / "model.json")
+    out = tmp_path / "stops.jsonl"
+    p = _run(capsys, "stop-rules", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens",
+             "12", "--groups", "--k", "4", "--thresholds", "0", "0.3", "1", "--dtype", "float32", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    rules, n = record["summary"], record["rounds"]
+    assert n > 0 and record["machine"] and "oracle" in p.stdout
+    assert {"fixed 0", "fixed 0.3", "fixed 1", "prefix 0.3", "calibrated prefix 0.3", "fixed, fitted", "prefix, fitted",
+            "calibrated prefix, fitted", "positions, fitted", "oracle"} <= set(rules)
+    whole, one = rules["fixed 0"], rules["fixed 1"]  # no exit: every round drafts all it may; under 1: one token
+    assert one["drafted"] == n and whole["drafted"] >= n and rules["prefix 0"] == whole
+    # the oracle accepts what the chain without an exit accepts and drafts only that (a plain step where it is 0)
+    oracle = rules["oracle"]
+    assert oracle["accepted"] == oracle["drafted"] == whole["accepted"] and oracle["tokens"] == whole["tokens"]
+    assert whole["tokens"] == whole["accepted"] + n and whole["plain_steps"] == 0
+    for s in rules.values():  # every rule emits these rounds' tokens or fewer, at most 4 drafted a round
+        assert s["accepted"] <= whole["accepted"] and s["drafted"] <= 4 * n and s["tokens"] <= whole["tokens"]
+    # the calibration counts each round's tokens up to its first miss: its right ones are what the chain accepted
+    right, seen = (sum(x[i] for x in record["calibration"]) for i in (1, 0))
+    assert right == whole["accepted"] and right <= seen <= right + n
+
+
 def test_route_bounds_price_each_route_on_the_drafts_own_rounds(tmp_path, capsys, tiny_study):
     out, plan = tmp_path / "routes.jsonl", tmp_path / "int4.json"
     draft = json.loads((tiny_study.parent / "plans" / "tiny-llama-default.json").read_text())

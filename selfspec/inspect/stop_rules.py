@@ -1,0 +1,221 @@
+"""Where should a model draft stop? Rules on the draft's own probabilities, priced on the same rounds as the oracle.
+
+    selfspec-inspect stop-rules results/optuna/qwen2.5-coder-1.5b-tasks-avx2-v8.db \
+        --draft results/plans/qwen2.5-coder-1.5b-zen4-exit.json [--k 8] [--tokens 128] \
+        [--thresholds 0.1 0.2 ...] [--out results/stop_rules.jsonl]
+
+Decodes the study's calibration prompts with our AR (``--tokens`` each) and simulates the draft as a chain of depth
+``--k`` without an exit (:mod:`selfspec.search.simulate`), keeping the draft's outputs over all ``k`` positions of
+every model-drafted round: at position ``j`` its token and that token's probability, given the target's tokens
+before it. On those rounds, the same round starts for every rule, it prices:
+
+- ``fixed t``: stop after the first token drafted with probability under ``t`` (the exit fixed at ``t``);
+- ``prefix t``: stop once the product of the probabilities drafted so far is under ``t`` (the draft's own estimate
+  that its round is still right);
+- ``calibrated prefix t``: the same with each probability replaced by the share of the tokens drafted at that
+  probability (in tenths) that the target took;
+- ``oracle``: each round drafts what the target will accept (a round that accepts none is a plain step), the bound
+  of every stop rule over this draft at this depth.
+
+The grids are priced on all rounds (in sample). A rule is also fitted on one half of the rounds and priced on the
+other, both ways (``... fitted``, cross-validated): ``fixed``, ``prefix`` and ``calibrated prefix`` pick their ``t``,
+``positions`` one threshold per position (coordinate ascent over ``--thresholds``): a learned rule. Every rule is
+priced by a cost model measured now, each round as a model-drafted chain of the length it drafts (predicted decode
+speedup over our AR on these rounds; copy rounds are left out). By the draft's probability in tenths it prints how
+many tokens were drafted there up to the round's first miss and the share of them the target took: how well the
+draft's probability tells its right tokens from its wrong ones. Appends one JSON line to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from selfspec.draft.spec import DraftSpec
+from selfspec.inspect.tree_bound import ar_continuations, replayed, study_arguments
+from selfspec.provenance import append_row
+from selfspec.search.costs import CostModel, costs_for_drafts
+from selfspec.search.rounds import RoundCounts, forward_key, leading_agreements
+from selfspec.search.simulate import RoundSimulator
+
+BINS = 10  # the draft's probability in tenths
+
+
+@dataclass(frozen=True)
+class Round:
+    """A model-drafted round: the draft's probability at each position and how many of its tokens lead the target's."""
+
+    conf: tuple[float, ...]
+    lead: int
+
+
+Rule = Callable[[Round], int]  # a round -> the tokens it drafts (0: a plain step)
+
+
+def model_rounds(sim: RoundSimulator, spec: DraftSpec) -> list[Round]:
+    """The model-drafted rounds of ``spec`` (a chain without an exit) on the simulator's continuations, each with
+    all the positions it could draft."""
+    sim.simulate(spec)
+    out = []
+    for (b, i), drafted in sorted(sim.memo[forward_key(spec)].items()):
+        c = sim.continuations[b]
+        n = min(spec.k, len(drafted), len(c) - i - 2)  # the loop drafts at most what is left before the last token
+        if n >= 1:
+            out.append(Round(drafted.conf[:n], leading_agreements(list(drafted.pred[:n]), c[i + 1 : i + 1 + n])))
+    return out
+
+
+def _bin(p: float) -> int:
+    return min(int(p * BINS), BINS - 1)
+
+
+def calibration(rounds: Sequence[Round]) -> list[tuple[int, int]]:
+    """Per tenth of the draft's probability: (tokens drafted there up to each round's first miss, those right)."""
+    seen, right = [0] * BINS, [0] * BINS
+    for r in rounds:
+        for j, p in enumerate(r.conf[: r.lead + 1]):
+            seen[_bin(p)] += 1
+            right[_bin(p)] += j < r.lead
+    return list(zip(seen, right))
+
+
+def shares(table: list[tuple[int, int]]) -> list[float]:
+    """The share right per tenth, with one right and one wrong token added (a tenth with no tokens reads 0.5)."""
+    return [(right + 1) / (seen + 2) for seen, right in table]
+
+
+def first_under(thresholds: Sequence[float]) -> Rule:
+    """Stop after the first token drafted with probability under its position's threshold (the last one repeats)."""
+    def rule(r: Round) -> int:
+        return next((j + 1 for j, p in enumerate(r.conf) if p < thresholds[min(j, len(thresholds) - 1)]), len(r.conf))
+    return rule
+
+
+def prefix_under(t: float, table: list[float] | None = None) -> Rule:
+    """Stop once the product of the probabilities drafted so far (or of their tenths' shares in ``table``) is
+    under ``t``."""
+    def rule(r: Round) -> int:
+        prod = 1.0
+        for j, p in enumerate(r.conf):
+            prod *= table[_bin(p)] if table is not None else p
+            if prod < t:
+                return j + 1
+        return len(r.conf)
+    return rule
+
+
+def oracle(r: Round) -> int:
+    return r.lead
+
+
+def counts_of(pairs: Sequence[tuple[Round, Rule]]) -> RoundCounts:
+    """The rounds, each drafting what its rule says, as chain rounds of the simulator's counts."""
+    counts = RoundCounts()
+    for r, rule in pairs:
+        d = rule(r)
+        if d == 0:
+            counts.plain_steps += 1
+            counts.tokens += 1
+            continue
+        a = min(r.lead, d)
+        counts.model_rounds[d] += 1
+        counts.drafted += d
+        counts.accepted += a
+        counts.tokens += a + 1
+    return counts
+
+
+class Pricer:
+    """Predicted decode speedup of a rule on rounds, by one cost model."""
+
+    def __init__(self, costs: CostModel, spec: DraftSpec) -> None:
+        self.costs, self.spec = costs, spec
+
+    def __call__(self, rounds: Sequence[Round], rule: Rule) -> float:
+        return self.speed(counts_of([(r, rule) for r in rounds]))
+
+    def speed(self, counts: RoundCounts) -> float:
+        return self.costs.predicted_speedup(counts, self.spec)
+
+    def best(self, rounds: Sequence[Round], family: Callable[[float], Rule], grid: Sequence[float]) -> float:
+        return max(grid, key=lambda t: self(rounds, family(t)))
+
+    def positions(self, rounds: Sequence[Round], k: int, grid: Sequence[float], sweeps: int = 2) -> list[float]:
+        """One threshold per position, by coordinate ascent from the best single threshold."""
+        ts = [self.best(rounds, lambda t: first_under([t]), grid)] * k
+        for _ in range(sweeps):
+            for j in range(k):
+                ts[j] = max(grid, key=lambda t: self(rounds, first_under([*ts[:j], t, *ts[j + 1 :]])))
+        return ts
+
+
+def cross_validated(pricer: Pricer, rounds: list[Round], fit: Callable[[list[Round]], Rule],
+                    seed: int = 0) -> RoundCounts:
+    """Each half's rounds drafted by the rule fitted on the other half."""
+    order = list(range(len(rounds)))
+    random.Random(seed).shuffle(order)
+    halves = [[rounds[i] for i in order[: len(order) // 2]], [rounds[i] for i in order[len(order) // 2 :]]]
+    pairs = []
+    for held, other in ((halves[0], halves[1]), (halves[1], halves[0])):
+        rule = fit(other)
+        pairs += [(r, rule) for r in held]
+    return counts_of(pairs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="selfspec-inspect stop-rules", description=__doc__.split("\n\n")[0])
+    study_arguments(ap)
+    ap.add_argument("--k", type=int, default=8, help="the draft's depth")
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[i / 20 for i in range(16)],
+                    help="the thresholds every rule may take")
+    ap.add_argument("--out", default="results/stop_rules.jsonl")
+    args = ap.parse_args(argv)
+    name, lm, spec, prompts, _ = replayed(args)
+    chain = replace(spec, k=args.k, adaptive=False, options=replace(spec.options, copy_candidates=1, branch_below=0.0))
+    priced = replace(chain, adaptive=True, threshold_step=0.0)  # each draft step pays the exit's probability
+    conts = ar_continuations(lm, prompts, args.tokens)
+    print("measuring the cost model", file=sys.stderr, flush=True)
+    costs = costs_for_drafts(lm, prompts[0] + conts[0], [priced])
+    sim = RoundSimulator(lm.model, prompts, conts, lm.eos_ids, lazy=False)
+    rounds = model_rounds(sim, chain)
+    price, grid = Pricer(costs, priced), args.thresholds
+    table = calibration(rounds)
+    rules: dict[str, RoundCounts] = {}
+    for t in grid:
+        rules[f"fixed {t:g}"] = counts_of([(r, first_under([t])) for r in rounds])
+    for t in grid:
+        rules[f"prefix {t:g}"] = counts_of([(r, prefix_under(t)) for r in rounds])
+    for t in grid:
+        rules[f"calibrated prefix {t:g}"] = counts_of([(r, prefix_under(t, shares(table))) for r in rounds])
+    fixed = lambda t: first_under([t])  # noqa: E731
+    rules["fixed, fitted"] = cross_validated(price, rounds, lambda rs: fixed(price.best(rs, fixed, grid)))
+    rules["prefix, fitted"] = cross_validated(price, rounds, lambda rs: prefix_under(price.best(rs, prefix_under, grid)))
+
+    def calibrated(rs: list[Round]) -> Rule:
+        own = shares(calibration(rs))
+        return prefix_under(price.best(rs, lambda t: prefix_under(t, own), grid), own)
+
+    rules["calibrated prefix, fitted"] = cross_validated(price, rounds, calibrated)
+    rules["positions, fitted"] = cross_validated(price, rounds, lambda rs: first_under(price.positions(rs, args.k, grid)))
+    rules["oracle"] = counts_of([(r, oracle) for r in rounds])
+    summary = {label: {"decode_speedup": price.speed(c), "tokens_per_round": c.tokens_per_round,
+                       "drafted": c.drafted, "accepted": c.accepted, "tokens": c.tokens, "plain_steps": c.plain_steps}
+               for label, c in rules.items()}
+    print(f"{len(rounds)} model-drafted rounds of {len(prompts)} calibration prompts of {name} x {args.tokens} tokens; "
+          f"draft {chain.describe()}; prices: a cost model measured now ({costs.machine.get('cpu', '?')}, "
+          f"{costs.machine.get('isa', '?')}, {costs.machine.get('kernels', '?')})")
+    print("the draft's probability   tokens   right")
+    for b, (seen, right) in enumerate(table):
+        print(f"  {b / BINS:.1f}-{(b + 1) / BINS:.1f}".ljust(26) + f"{seen:>6}   " + (f"{right / seen:.2f}" if seen else "-"))
+    base = summary["fixed, fitted"]["decode_speedup"]
+    print("rule".ljust(30) + f"{'speedup':>10}{'over fixed, fitted':>20}{'tokens a round':>16}{'drafted':>9}")
+    for label, s in summary.items():
+        print(label.ljust(30) + f"{s['decode_speedup']:>9.2f}x{s['decode_speedup'] / base:>20.3f}"
+              f"{s['tokens_per_round']:>16.2f}{s['drafted']:>9}")
+    record = {"study": name, "draft": args.draft, "spec": chain.describe(), "k": args.k, "tokens": args.tokens,
+              "prompts": len(prompts), "rounds": len(rounds), "calibration": [list(x) for x in table],
+              "summary": summary, "costs": costs.to_dict()}
+    append_row(args.out, record, echo=False)
