@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="results/stop_rules.jsonl")
     args = ap.parse_args(argv)
     name, lm, spec, prompts, _ = replayed(args)
-    chain = replace(spec, k=args.k, adaptive=False, options=replace(spec.options, copy_candidates=1, branch_below=0.0))
+    chain = replace(spec, k=args.k, adaptive=False, options=replace(spec.options, copy_candidates=1,
+                                                                               branch_below=0.0, copy_fallback=0))
     priced = replace(chain, adaptive=True, threshold_step=0.0)  # each draft step pays the exit's probability
     conts = ar_continuations(lm, prompts, args.tokens)
     print("measuring the cost model", file=sys.stderr, flush=True)
