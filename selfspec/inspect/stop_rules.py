@@ -94,6 +94,11 @@ def first_under(thresholds: Sequence[float]) -> Rule:
     return rule
 
 
+def fixed(t: float) -> Rule:
+    """The exit fixed at ``t``: stop after the first token drafted with probability under it."""
+    return first_under([t])
+
+
 def prefix_under(t: float, table: list[float] | None = None) -> Rule:
     """Stop once the product of the probabilities drafted so far (or of their tenths' shares in ``table``) is
     under ``t``."""
@@ -145,15 +150,14 @@ class Pricer:
 
     def positions(self, rounds: Sequence[Round], k: int, grid: Sequence[float], sweeps: int = 2) -> list[float]:
         """One threshold per position, by coordinate ascent from the best single threshold."""
-        ts = [self.best(rounds, lambda t: first_under([t]), grid)] * k
+        ts = [self.best(rounds, fixed, grid)] * k
         for _ in range(sweeps):
             for j in range(k):
                 ts[j] = max(grid, key=lambda t: self(rounds, first_under([*ts[:j], t, *ts[j + 1 :]])))
         return ts
 
 
-def cross_validated(pricer: Pricer, rounds: list[Round], fit: Callable[[list[Round]], Rule],
-                    seed: int = 0) -> RoundCounts:
+def cross_validated(rounds: list[Round], fit: Callable[[list[Round]], Rule], seed: int = 0) -> RoundCounts:
     """Each half's rounds drafted by the rule fitted on the other half."""
     order = list(range(len(rounds)))
     random.Random(seed).shuffle(order)
@@ -184,23 +188,20 @@ def main(argv: list[str] | None = None) -> None:
     rounds = model_rounds(sim, chain)
     price, grid = Pricer(costs, priced), args.thresholds
     table = calibration(rounds)
-    rules: dict[str, RoundCounts] = {}
-    for t in grid:
-        rules[f"fixed {t:g}"] = counts_of([(r, first_under([t])) for r in rounds])
-    for t in grid:
-        rules[f"prefix {t:g}"] = counts_of([(r, prefix_under(t)) for r in rounds])
-    for t in grid:
-        rules[f"calibrated prefix {t:g}"] = counts_of([(r, prefix_under(t, shares(table))) for r in rounds])
-    fixed = lambda t: first_under([t])  # noqa: E731
-    rules["fixed, fitted"] = cross_validated(price, rounds, lambda rs: fixed(price.best(rs, fixed, grid)))
-    rules["prefix, fitted"] = cross_validated(price, rounds, lambda rs: prefix_under(price.best(rs, prefix_under, grid)))
+    in_sample = shares(table)
+    families: dict[str, Callable[[float], Rule]] = {
+        "fixed": fixed, "prefix": prefix_under, "calibrated prefix": lambda t: prefix_under(t, in_sample)}
+    rules = {f"{family} {t:g}": counts_of([(r, rule_of(t)) for r in rounds])
+             for family, rule_of in families.items() for t in grid}
+    rules["fixed, fitted"] = cross_validated(rounds, lambda rs: fixed(price.best(rs, fixed, grid)))
+    rules["prefix, fitted"] = cross_validated(rounds, lambda rs: prefix_under(price.best(rs, prefix_under, grid)))
 
     def calibrated(rs: list[Round]) -> Rule:
         own = shares(calibration(rs))
         return prefix_under(price.best(rs, lambda t: prefix_under(t, own), grid), own)
 
-    rules["calibrated prefix, fitted"] = cross_validated(price, rounds, calibrated)
-    rules["positions, fitted"] = cross_validated(price, rounds, lambda rs: first_under(price.positions(rs, args.k, grid)))
+    rules["calibrated prefix, fitted"] = cross_validated(rounds, calibrated)
+    rules["positions, fitted"] = cross_validated(rounds, lambda rs: first_under(price.positions(rs, args.k, grid)))
     rules["oracle"] = counts_of([(r, oracle) for r in rounds])
     summary = {label: {"decode_speedup": price.speed(c), "tokens_per_round": c.tokens_per_round,
                        "drafted": c.drafted, "accepted": c.accepted, "tokens": c.tokens, "plain_steps": c.plain_steps}

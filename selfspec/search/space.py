@@ -70,7 +70,7 @@ class DraftDims:
     k_max: tuple[int, ...] = (0,)  # a model draft grows past k while rounds are accepted whole, up to this (0: never)
     adaptive: tuple[bool, ...] = (False, True)
     threshold: tuple[float, ...] = (0.2, 0.4, 0.6)
-    threshold_step: tuple[float, ...] = (0.05, 0.0)  # the exit's threshold moves by this a round (0: fixed)
+    threshold_step: tuple[float, ...] = (DEFAULT_THRESHOLD_STEP, 0.0)  # the exit's threshold moves by this a round (0: fixed)
     ngram: tuple[int, ...] = (0, 2, 3, 4, 8)  # 8: the longest match of up to 8 tokens picks the occurrence (min_ngram)
     copy_tokens: tuple[int, ...] = (0, 5, 10)
     min_ngram: tuple[int, ...] = (0, 1, 2)  # shortest match copied when the n-gram has none (m < ngram; 0 = n-gram only)
