@@ -8,7 +8,8 @@ it finds, and the ones that measure append one JSON line with its provenance to 
     tree-bound       how far a draft tree can go past the chain: simulated tree variants and the oracle, priced
     route-bounds     the best case of each route to a cheaper draft (per-token exit, a second level, fewer bits,
                      long contexts), priced before it is built
-    stop-rules       where a model draft should stop: rules on its own probabilities against the stopping oracle
+    stop-rules       where a model draft should stop: rules on its own probabilities and on what else the loop
+                     knows, against the stopping oracle
     skip-scan        whether any sublayer pays skipped on top of a draft: each one simulated and priced, greedily
     match-rates      which methods' outputs equal which, per task set of a run
     paired-ratio     any method's speed over any other's in a run, per task set, with a paired 95% interval

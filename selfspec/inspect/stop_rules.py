@@ -23,18 +23,35 @@ other, both ways (``... fitted``, cross-validated): ``fixed``, ``prefix`` and ``
 priced by a cost model measured now, each round as a model-drafted chain of the length it drafts (predicted decode
 speedup over our AR on these rounds; copy rounds are left out). By the draft's probability in tenths it prints how
 many tokens were drafted there up to the round's first miss and the share of them the target took: how well the
-draft's probability tells its right tokens from its wrong ones. Appends one JSON line to ``--out``.
+draft's probability tells its right tokens from its wrong ones.
+
+Then the rules that use more than the draft's probability (:mod:`selfspec.inspect.stop_features`: agreement with a
+copy lookup, the target's probability of the round's pending token, the round before, a learned rule on all of
+them), each fitted on one half of the rounds and priced on the other over ``--splits`` random halvings, beside the
+fixed exit fitted on the same halves, and the held-out AUC of each set of features. Appends one JSON line to
+``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from selfspec.draft.spec import DraftSpec
+from selfspec.inspect.stop_features import (
+    ALL,
+    OWN,
+    Round,
+    Rule,
+    copy_proposals,
+    copy_signs,
+    fitted_rules,
+    halves,
+    held_out_auc,
+    target_probs,
+)
 from selfspec.inspect.tree_bound import ar_continuations, replayed, study_arguments
 from selfspec.provenance import append_row
 from selfspec.search.costs import CostModel, costs_for_drafts
@@ -44,27 +61,25 @@ from selfspec.search.simulate import RoundSimulator
 BINS = 10  # the draft's probability in tenths
 
 
-@dataclass(frozen=True)
-class Round:
-    """A model-drafted round: the draft's probability at each position and how many of its tokens lead the target's."""
-
-    conf: tuple[float, ...]
-    lead: int
-
-
-Rule = Callable[[Round], int]  # a round -> the tokens it drafts (0: a plain step)
-
-
-def model_rounds(sim: RoundSimulator, spec: DraftSpec) -> list[Round]:
+def model_rounds(sim: RoundSimulator, spec: DraftSpec, starts: Sequence[Sequence[float]] | None = None) -> list[Round]:
     """The model-drafted rounds of ``spec`` (a chain without an exit) on the simulator's continuations, each with
-    all the positions it could draft."""
+    all the positions it could draft and what else the loop knows there (:mod:`selfspec.inspect.stop_features`;
+    ``starts``: the target's probability of each continuation token, 1 where not given)."""
     sim.simulate(spec)
-    out = []
+    out, seen = [], {}
+    proposals = [copy_proposals(p + c) for p, c in zip(sim.prompts, sim.continuations)]
     for (b, i), drafted in sorted(sim.memo[forward_key(spec)].items()):
         c = sim.continuations[b]
         n = min(spec.k, len(drafted), len(c) - i - 2)  # the loop drafts at most what is left before the last token
-        if n >= 1:
-            out.append(Round(drafted.conf[:n], leading_agreements(list(drafted.pred[:n]), c[i + 1 : i + 1 + n])))
+        if n < 1:
+            continue
+        lead = leading_agreements(list(drafted.pred[:n]), c[i + 1 : i + 1 + n])
+        # position j is drafted after c[:i+1+j] (the tokens drafted before it are the target's while they agree)
+        out.append(Round(drafted.conf[:n], lead,
+                         tuple(a - b for a, b in zip(drafted.conf[:n], drafted.second_conf[:n])),
+                         copy_signs(proposals[b], len(sim.prompts[b]) + i + 1, drafted.pred[:n]),
+                         starts[b][i] if starts is not None else 1.0, seen.get(b, 1.0)))
+        seen[b] = lead / n
     return out
 
 
@@ -159,14 +174,31 @@ class Pricer:
 
 def cross_validated(rounds: list[Round], fit: Callable[[list[Round]], Rule], seed: int = 0) -> RoundCounts:
     """Each half's rounds drafted by the rule fitted on the other half."""
-    order = list(range(len(rounds)))
-    random.Random(seed).shuffle(order)
-    halves = [[rounds[i] for i in order[: len(order) // 2]], [rounds[i] for i in order[len(order) // 2 :]]]
     pairs = []
-    for held, other in ((halves[0], halves[1]), (halves[1], halves[0])):
+    one, two = halves(rounds, seed)
+    for held, other in ((one, two), (two, one)):
         rule = fit(other)
         pairs += [(r, rule) for r in held]
     return counts_of(pairs)
+
+
+def beyond_the_draft(rounds: list[Round], price: Pricer, grid: Sequence[float], splits: int) -> dict:
+    """The rules of :mod:`selfspec.inspect.stop_features`, each cross-validated over ``splits`` random halvings
+    beside the fixed exit fitted on the same halves, and the held-out AUC of each set of features; printed."""
+    fits = {"fixed": lambda rs: fixed(price.best(rs, fixed, grid))} | fitted_rules(price, grid, [i / 20 for i in range(20)])
+    speeds = {label: [price.speed(cross_validated(rounds, fit, seed)) for seed in range(splits)]
+              for label, fit in fits.items()}
+    aucs = {label: [held_out_auc(rounds, names, seed) for seed in range(splits)]
+            for label, names in (("the draft's probability", None), ("learned, the draft's own", OWN),
+                                 ("learned, all", ALL))}
+    print(f"fitted on one half, priced on the other, over {splits} random halvings (mean, and over fixed: mean, range)")
+    for label, s in speeds.items():
+        over = [a / b for a, b in zip(s, speeds["fixed"])]
+        print(label.ljust(30) + f"{sum(s) / len(s):>9.2f}x{sum(over) / len(over):>10.3f} ({min(over):.3f}-{max(over):.3f})")
+    print("held-out AUC, right tokens against wrong ones (mean, range)")
+    for label, a in aucs.items():
+        print(label.ljust(30) + f"{sum(a) / len(a):>9.3f} ({min(a):.3f}-{max(a):.3f})")
+    return {"splits": splits, "decode_speedup": speeds, "auc": aucs}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=8, help="the draft's depth")
     ap.add_argument("--thresholds", type=float, nargs="+", default=[i / 20 for i in range(16)],
                     help="the thresholds every rule may take")
+    ap.add_argument("--splits", type=int, default=5,
+                    help="random halvings of the rounds that the rules using more than the draft's probability are "
+                         "cross-validated over")
     ap.add_argument("--out", default="results/stop_rules.jsonl")
     args = ap.parse_args(argv)
     name, lm, spec, prompts, _ = replayed(args)
@@ -184,8 +219,10 @@ def main(argv: list[str] | None = None) -> None:
     conts = ar_continuations(lm, prompts, args.tokens)
     print("measuring the cost model", file=sys.stderr, flush=True)
     costs = costs_for_drafts(lm, prompts[0] + conts[0], [priced])
+    print("the target's probabilities of its continuations", file=sys.stderr, flush=True)
+    starts = [target_probs(lm.model, p, c) for p, c in zip(prompts, conts)]
     sim = RoundSimulator(lm.model, prompts, conts, lm.eos_ids, lazy=False)
-    rounds = model_rounds(sim, chain)
+    rounds = model_rounds(sim, chain, starts)
     price, grid = Pricer(costs, priced), args.thresholds
     table = calibration(rounds)
     in_sample = shares(table)
@@ -217,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     for label, s in summary.items():
         print(label.ljust(30) + f"{s['decode_speedup']:>9.2f}x{s['decode_speedup'] / base:>20.3f}"
               f"{s['tokens_per_round']:>16.2f}{s['drafted']:>9}")
+    outside = beyond_the_draft(rounds, price, grid, args.splits)
     record = {"study": name, "draft": args.draft, "spec": chain.describe(), "k": args.k, "tokens": args.tokens,
               "prompts": len(prompts), "rounds": len(rounds), "calibration": [list(x) for x in table],
-              "summary": summary, "costs": costs.to_dict()}
+              "summary": summary, "outside": outside, "costs": costs.to_dict()}
     append_row(args.out, record, echo=False)

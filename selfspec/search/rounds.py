@@ -91,11 +91,12 @@ def forward_key(spec: DraftSpec) -> tuple:
 @dataclass(frozen=True)
 class Drafted:
     """What a round needs of the draft's teacher-forced logits over ``c[i:i+n]``, per chunk position:
-    the predicted token, its probability, and the 2nd-best token."""
+    the predicted token, its probability, the 2nd-best token and its probability."""
 
     pred: tuple[int, ...]
     conf: tuple[float, ...]
     second: tuple[int, ...]
+    second_conf: tuple[float, ...] = ()
 
     def __len__(self) -> int:
         return len(self.pred)
@@ -105,12 +106,14 @@ class Drafted:
         """From the logits ``[n, V]`` of one round's chunk."""
         logits = logits.float()
         top = logits.topk(2, dim=-1)
-        conf = (top.values[:, 0] - logits.logsumexp(-1)).exp()
-        return cls(tuple(top.indices[:, 0].tolist()), tuple(conf.tolist()), tuple(top.indices[:, 1].tolist()))
+        probs = (top.values - logits.logsumexp(-1, keepdim=True)).exp()
+        return cls(tuple(top.indices[:, 0].tolist()), tuple(probs[:, 0].tolist()), tuple(top.indices[:, 1].tolist()),
+                   tuple(probs[:, 1].tolist()))
 
     def extended(self, more: Drafted, at: int) -> Drafted:
         """These outputs up to position ``at``, then ``more`` (the positions from ``at`` on)."""
-        return Drafted(self.pred[:at] + more.pred, self.conf[:at] + more.conf, self.second[:at] + more.second)
+        return Drafted(self.pred[:at] + more.pred, self.conf[:at] + more.conf, self.second[:at] + more.second,
+                       self.second_conf[:at] + more.second_conf)
 
 
 def decided(out: Drafted, c: list[int], i: int, k: int, threshold: AdaptiveThreshold, lazy: bool) -> bool:

@@ -105,7 +105,8 @@ def test_stop_rules_price_rules_on_the_draft_probabilities_against_the_oracle(tm
     plan = replace(draft, options=replace(draft.options, model_draft=True)).save(tmp_path / "model.json")
     out = tmp_path / "stops.jsonl"
     p = _run(capsys, "stop-rules", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens",
-             "12", "--groups", "--k", "4", "--thresholds", "0", "0.3", "1", "--dtype", "float32", "--out", str(out))
+             "12", "--groups", "--k", "4", "--thresholds", "0", "0.3", "1", "--splits", "2", "--dtype", "float32",
+             "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     rules, n = record["summary"], record["rounds"]
@@ -123,6 +124,14 @@ def test_stop_rules_price_rules_on_the_draft_probabilities_against_the_oracle(tm
     # the calibration counts each round's tokens up to its first miss: its right ones are what the chain accepted
     right, seen = (sum(x[i] for x in record["calibration"]) for i in (1, 0))
     assert right == whole["accepted"] and right <= seen <= right + n
+    # the rules beyond the draft's probability, each over 2 halvings; the fixed exit's first is the fitted one above
+    outside = record["outside"]
+    assert set(outside["decode_speedup"]) == {"fixed", "by copy agreement", "by the target's start",
+                                              "by the round before", "learned, the draft's own", "learned, all"}
+    assert all(len(s) == 2 and min(s) > 0 for s in outside["decode_speedup"].values())
+    assert outside["decode_speedup"]["fixed"][0] == pytest.approx(rules["fixed, fitted"]["decode_speedup"])
+    assert set(outside["auc"]) == {"the draft's probability", "learned, the draft's own", "learned, all"}
+    assert "held-out AUC" in p.stdout
 
 
 def test_route_bounds_price_each_route_on_the_drafts_own_rounds(tmp_path, capsys, tiny_study):
