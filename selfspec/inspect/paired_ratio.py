@@ -68,7 +68,7 @@ def _round_cost(name: str, rows: list[dict], base: DecodeStats | None) -> str:
     if not s.rounds:
         return f"rounds of {name}: none"
     verify = s.verify_time / s.rounds
-    line = (f"rounds of {name}: {s.rounds}, {s.drafted / s.rounds:.2f} drafted tokens, drafting "
+    line = (f"rounds of {name}: {s.rounds} ({s.copy_rounds} copies), {s.drafted / s.rounds:.2f} drafted tokens, drafting "
             f"{1e3 * s.draft_time / s.rounds:.1f} ms and a verify {1e3 * verify:.1f} ms a round")
     step = base.step_time / base.plain_steps if base is not None and base.plain_steps else None
     if step:
@@ -78,6 +78,13 @@ def _round_cost(name: str, rows: list[dict], base: DecodeStats | None) -> str:
         line += "; a verify after a model draft {:.1f} ms, after a copy {:.1f} ms".format(*(1e3 * t for t in kinds))
         if step:
             line += " ({:.2f} / {:.2f} steps)".format(*(t / step for t in kinds))
+        # what a verify after a copy would save at a model draft's verify cost, and at one plain step
+        decode = s.total_time - s.ttft
+        if decode > 0 and kinds[1] > kinds[0]:
+            saved = s.copy_rounds * (kinds[1] - kinds[0]) / decode
+            line += f"; a copy's verify at a model draft's would save {saved:.1%} of the decode time"
+            if step and kinds[1] > step:
+                line += f", at one step {s.copy_rounds * (kinds[1] - step) / decode:.1%}"
     return line
 
 
