@@ -15,7 +15,9 @@ same work for every method): what bounds a speedup over the whole request howeve
 adds what a round of each method cost over all the run's rows: its drafted tokens, its drafting and its verify time,
 and the verify in plain steps of the run's baseline (its header's, as the tables take it); where the rows hold both
 model-drafted rounds and copy rounds, a verify of each kind, fitted by least squares over the rows (each row's verify
-time as so many of each kind of round): a copy's verify is wider than a model draft's.
+time as so many of each kind of round): a copy's verify is wider than a model draft's. ``--decode-faster F`` asks
+what if: the first method's time after each request's first token divided by ``F`` (its prefill and first step as
+measured), for the end-to-end speedup that a route making its decode ``F`` times faster would give on these rows.
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="decode speed: tokens after each request's first over the time after it (no prefill)")
     ap.add_argument("--rounds", action="store_true",
                     help="what a round of each method cost over all rows: drafted tokens, drafting and verify time")
+    ap.add_argument("--decode-faster", type=float, default=1.0, metavar="F",
+                    help="what if: the first method's time after each request's first token divided by F")
     args = ap.parse_args(argv)
+    if args.decode_faster <= 0:
+        raise SelfSpecError(f"--decode-faster must be positive, got {args.decode_faster}")
     folders = sorted(p.parent for p in Path(args.run).glob("*/samples.jsonl"))
     if not folders:
         raise SelfSpecError(f"no */samples.jsonl under {args.run}")
@@ -49,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         mine, base = ([r for r in rows if r.get("method") == m] for m in (args.method, args.base))
         if not mine or not base:
             raise SelfSpecError(f"{folder}: no rows of {args.method if not mine else args.base}")
+        mine = [faster(r, args.decode_faster) for r in mine]
         _line(folder.name, mine, base, args.method, args.base, args.decode)
         for kept, rs in zip(pooled, (mine, base)):  # one sample id per set and prompt
             kept.extend({**r, "sample_id": f"{folder.name}/{r['sample_id']}"} for r in rs)
@@ -58,6 +65,14 @@ def main(argv: list[str] | None = None) -> None:
         base = DecodeStats.merged([stats_of_row(r) for r in plain]) if plain else None
         for name, rows in zip((args.method, args.base), pooled):
             print(_round_cost(name, rows, base))
+
+
+def faster(row: dict, f: float) -> dict:
+    """The row with its time after each request's first token divided by ``f``."""
+    if f == 1.0:
+        return row
+    c = stats_of_row(row).counters()
+    return {**row, "counters": {**c, "total_time": c["ttft"] + (c["total_time"] - c["ttft"]) / f}}
 
 
 def _round_cost(name: str, rows: list[dict], base: DecodeStats | None) -> str:

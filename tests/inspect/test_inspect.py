@@ -209,6 +209,13 @@ def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, caps
     # decode speed: each request's first token and its 0.1 s left out: 48 tokens in 3.8 s over 48 in 4.8 s
     d = _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "chain", "--decode")
     assert d.returncode == 0 and "gsm8k" in d.stdout and f"tree over chain (decode speed): {4.8 / 3.8:.3f}x" in d.stdout
+    # what if the tree decoded twice as fast: on gsm8k its 3.8 s after the first tokens become 1.9 s, 50 tokens in
+    # 2.1 s over 50 in 5 s; its decode speed doubles
+    w = _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "chain", "--decode-faster", "2")
+    assert w.returncode == 0 and f"tree over chain (speed): {5 / 2.1:.3f}x" in w.stdout
+    w = _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "chain", "--decode-faster", "2", "--decode")
+    assert f"tree over chain (decode speed): {2 * 4.8 / 3.8:.3f}x" in w.stdout
+    assert _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "chain", "--decode-faster", "0").returncode != 0
     assert _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "ar").returncode != 0
 
 
