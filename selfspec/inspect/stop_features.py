@@ -11,7 +11,8 @@ decoding loop knows, when it drafts position ``j``:
 - ``before``: the share of its drafted tokens that the prompt's previous model-drafted round had right (1 at the
   first).
 
-Rules priced on them: one threshold on the draft's probability for tokens a copy agrees with and one for the rest;
+Rules priced on them: a threshold on the margin; one on the probability that moves with the position; one
+threshold on the draft's probability for tokens a copy agrees with and one for the rest;
 two thresholds split by ``start`` or by ``before`` (at the fitting half's median); and a learned rule, a logistic
 model of whether a token is right (fitted on the tokens up to each round's first miss), that stops once its
 predicted probability falls under a threshold, once on the draft's own features and once on all of them. How well
@@ -137,6 +138,16 @@ def by_copy(agreed: float, other: float) -> Rule:
     return stop_under(lambda r, j: r.conf[j] - (agreed if r.copy[j] > 0 else other), 0.0)
 
 
+def by_margin(t: float) -> Rule:
+    """Stop after the first token drafted with a margin over the 2nd-best under ``t``."""
+    return stop_under(lambda r, j: r.margin[j], t)
+
+
+def rising(start: float, slope: float) -> Rule:
+    """The exit at ``start + slope * j`` at position ``j``."""
+    return stop_under(lambda r, j: r.conf[j] - (start + slope * j), 0.0)
+
+
 def by_round(feature: str, split: float, high: float, low: float) -> Rule:
     """The exit at ``high`` in rounds whose ``feature`` is at least ``split``, at ``low`` in the others."""
     return stop_under(lambda r, j: r.conf[j] - (high if getattr(r, feature) >= split else low), 0.0)
@@ -188,6 +199,10 @@ def fitted_rules(price, grid: Sequence[float], prob_grid: Sequence[float]) -> di
             return stop_under(model, max(prob_grid, key=lambda t: price(rounds, stop_under(model, t))))
         return fit
 
-    return {"by copy agreement": lambda rs: pair(rs, by_copy), "by the target's start": split("start"),
+    slopes = (-0.05, -0.025, 0.0, 0.025, 0.05, 0.075, 0.1)
+    return {"by the margin": lambda rs: by_margin(max(grid, key=lambda t: price(rs, by_margin(t)))),
+            "rising with the position": lambda rs: rising(*max(((a, b) for a in grid for b in slopes),
+                                                              key=lambda ab: price(rs, rising(*ab)))),
+            "by copy agreement": lambda rs: pair(rs, by_copy), "by the target's start": split("start"),
             "by the round before": split("before"), "learned, the draft's own": learned(OWN),
             "learned, all": learned(ALL)}

@@ -25,11 +25,11 @@ speedup over our AR on these rounds; copy rounds are left out). By the draft's p
 many tokens were drafted there up to the round's first miss and the share of them the target took: how well the
 draft's probability tells its right tokens from its wrong ones.
 
-Then the rules that use more than the draft's probability (:mod:`selfspec.inspect.stop_features`: agreement with a
-copy lookup, the target's probability of the round's pending token, the round before, a learned rule on all of
-them), each fitted on one half of the rounds and priced on the other over ``--splits`` random halvings, beside the
-fixed exit fitted on the same halves, and the held-out AUC of each set of features. Appends one JSON line to
-``--out``.
+Then the rules that use more than the draft's probability (:mod:`selfspec.inspect.stop_features`: the margin over
+the 2nd-best token, a threshold moving with the position, agreement with a copy lookup, the target's probability of
+the round's pending token, the round before, a learned rule), each fitted on one half of the rounds and priced on
+the other over ``--splits`` random halvings, beside the fixed exit fitted on the same halves; the held-out AUC of
+each set of features; and the learned rule's weights fitted on all rounds. Appends one JSON line to ``--out``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from selfspec.draft.spec import DraftSpec
 from selfspec.inspect.stop_features import (
     ALL,
     OWN,
+    Logistic,
     Round,
     Rule,
     copy_proposals,
@@ -198,7 +199,11 @@ def beyond_the_draft(rounds: list[Round], price: Pricer, grid: Sequence[float], 
     print("held-out AUC, right tokens against wrong ones (mean, range)")
     for label, a in aucs.items():
         print(label.ljust(30) + f"{sum(a) / len(a):>9.3f} ({min(a):.3f}-{max(a):.3f})")
-    return {"splits": splits, "decode_speedup": speeds, "auc": aucs}
+    weights = {label: dict(zip((*names, "intercept"), Logistic(rounds, names).w.tolist()))
+               for label, names in (("the draft's own", OWN), ("all", ALL))}
+    for label, w in weights.items():
+        print(f"logistic weights on all rounds, {label}: " + ", ".join(f"{n} {v:+.2f}" for n, v in w.items()))
+    return {"splits": splits, "decode_speedup": speeds, "auc": aucs, "weights": weights}
 
 
 def main(argv: list[str] | None = None) -> None:

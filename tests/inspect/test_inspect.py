@@ -126,8 +126,11 @@ def test_stop_rules_price_rules_on_the_draft_probabilities_against_the_oracle(tm
     assert right == whole["accepted"] and right <= seen <= right + n
     # the rules beyond the draft's probability, each over 2 halvings; the fixed exit's first is the fitted one above
     outside = record["outside"]
-    assert set(outside["decode_speedup"]) == {"fixed", "by copy agreement", "by the target's start",
-                                              "by the round before", "learned, the draft's own", "learned, all"}
+    assert set(outside["decode_speedup"]) == {"fixed", "by the margin", "rising with the position", "by copy agreement",
+                                              "by the target's start", "by the round before", "learned, the draft's own",
+                                              "learned, all"}
+    assert set(outside["weights"]["all"]) == {"confidence", "margin", "position", "copy agrees", "copy differs", "start",
+                                              "before", "intercept"}
     assert all(len(s) == 2 and min(s) > 0 for s in outside["decode_speedup"].values())
     assert outside["decode_speedup"]["fixed"][0] == pytest.approx(rules["fixed, fitted"]["decode_speedup"])
     assert set(outside["auc"]) == {"the draft's probability", "learned, the draft's own", "learned, all"}

@@ -12,11 +12,13 @@ from selfspec.inspect.stop_features import (
     Round,
     auc,
     by_copy,
+    by_margin,
     by_round,
     copy_proposals,
     copy_signs,
     fitted_rules,
     held_out_auc,
+    rising,
     target_probs,
 )
 
@@ -42,6 +44,9 @@ def test_rules_on_copies_and_rounds_stop_where_their_thresholds_say():
     assert by_copy(0.3, 0.5)(r) == 3  # the agreed 0.4 passes at 0.3, the next 0.4 stops under 0.5
     assert by_copy(0.0, 0.0)(r) == 4
     assert by_round("start", 0.4, 0.5, 0.0)(r) == 2 and by_round("start", 0.6, 0.5, 0.0)(r) == 4
+    assert by_margin(0.5)(r) == 2 and by_margin(0.0)(r) == 4  # margins 0.8, 0.1: stops after the second
+    assert rising(0.0, 0.05)(r) == 4 and rising(0.5, 0.0)(r) == 2
+    assert rising(0.0, 0.25)(r) == 3  # thresholds 0, 0.25, 0.5: the second 0.4 is under the third
 
 
 def _rounds(n: int, seed: int = 0) -> list[Round]:
