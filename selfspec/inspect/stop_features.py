@@ -11,12 +11,12 @@ decoding loop knows, when it drafts position ``j``:
 - ``before``: the share of its drafted tokens that the prompt's previous model-drafted round had right (1 at the
   first).
 
-Rules priced on them: a threshold on the margin; one on the probability that moves with the position; one
-threshold on the draft's probability for tokens a copy agrees with and one for the rest;
-two thresholds split by ``start`` or by ``before`` (at the fitting half's median); and a learned rule, a logistic
-model of whether a token is right (fitted on the tokens up to each round's first miss), that stops once its
-predicted probability falls under a threshold, once on the draft's own features and once on all of them. How well
-each set of features tells the draft's right tokens from its wrong ones is its held-out AUC.
+Rules priced on them: a threshold on the margin; a threshold on the probability that moves with the position; one
+threshold on the probability for tokens a copy proposes too and one for the rest; two thresholds split by ``start``
+or by ``before`` (at the fitting half's median); and a learned rule, a logistic model of whether a token is right
+(fitted on the tokens up to each round's first miss) that stops once its predicted probability falls under a
+threshold, on the draft's own features and on all of them. How well each set of features tells the draft's right
+tokens from its wrong ones is its held-out AUC.
 """
 
 from __future__ import annotations
