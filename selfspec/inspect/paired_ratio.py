@@ -5,7 +5,8 @@
 
 The tables give each method's speedup over AR and, for ours, the ratio over the fastest transformers peer; this
 gives the ratio of any two methods of the run (tokens over time of both on the same prompts, as the tables take
-it; :func:`selfspec.eval.records.paired_speedup`) and their tokens a round, one line per task set folder, then
+it; :func:`selfspec.eval.records.paired_speedup`) and their tokens a round, one line per task set folder, where
+the run holds the four task sets the mean of their four ratios (as the headline takes it), then
 one line for all the run's rows together ("all sets": tokens over time of every row, the bootstrap drawing from all
 of them, so that a difference of a few percent that no set's 10 rows resolve can be bounded over the whole run).
 ``--decode`` takes the tokens after each request's first over the time after it instead: the prefill left out, which
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from selfspec.engine.stats import DecodeStats
 from selfspec.errors import SelfSpecError
+from selfspec.eval.headline import SETS
 from selfspec.eval.records import baseline_of, paired_speedup, read_jsonl, stats_of_row, summarize
 
 
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SelfSpecError(f"no */samples.jsonl under {args.run}")
     pooled: tuple[list[dict], list[dict]] = ([], [])
     plain: list[dict] = []  # each run's baseline rows, for its plain step time
+    ratios: dict[str, float] = {}
     for folder in folders:
         header, rows = read_jsonl(folder / "samples.jsonl")
         plain.extend(r for r in rows if r.get("method") == baseline_of(header))
@@ -56,9 +59,12 @@ def main(argv: list[str] | None = None) -> None:
         if not mine or not base:
             raise SelfSpecError(f"{folder}: no rows of {args.method if not mine else args.base}")
         mine = [faster(r, args.decode_faster) for r in mine]
-        _line(folder.name, mine, base, args.method, args.base, args.decode)
+        ratios[folder.name] = _line(folder.name, mine, base, args.method, args.base, args.decode)
         for kept, rs in zip(pooled, (mine, base)):  # one sample id per set and prompt
             kept.extend({**r, "sample_id": f"{folder.name}/{r['sample_id']}"} for r in rs)
+    if all(name in ratios for name in SETS):  # as the headline takes it: the mean of the four sets' ratios
+        print(f"{'mean of four':<16} {args.method} over {args.base}: {sum(ratios[n] for n in SETS) / len(SETS):.3f}x "
+              f"({', '.join(SETS)})")
     if len(folders) > 1:
         _line("all sets", *pooled, args.method, args.base, args.decode)
     if args.rounds:
@@ -115,7 +121,8 @@ def _verify_by_kind(stats: list[DecodeStats]) -> tuple[float, float] | None:
     return (ay * bb - by * ab) / det, (by * aa - ay * ab) / det
 
 
-def _line(name: str, mine: list[dict], base: list[dict], method: str, base_name: str, decode: bool = False) -> None:
+def _line(name: str, mine: list[dict], base: list[dict], method: str, base_name: str, decode: bool = False) -> float:
+    """Print one set's ratio line; return the ratio."""
     ratio, lo, hi = paired_speedup(mine, base, decode=decode)
     if ratio is None:
         raise SelfSpecError(f"{name}: no sample that both {method} and {base_name} decoded")
@@ -125,6 +132,7 @@ def _line(name: str, mine: list[dict], base: list[dict], method: str, base_name:
     firsts = " / ".join(f"{100 * _first_share(rows):.0f}%" for rows in (mine, base))
     print(f"{name:<16} {method} over {base_name} ({what}): {ratio:.3f}x (95% {lo:.3f}-{hi:.3f}); "
           f"tokens a round {lengths}; first token {firsts} of the time")
+    return ratio
 
 
 def _first_share(rows: list[dict]) -> float:

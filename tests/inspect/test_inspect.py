@@ -222,6 +222,26 @@ def test_paired_ratio_prints_one_method_over_another_per_task_set(tmp_path, caps
     assert _run(capsys, "paired-ratio", str(tmp_path / "m"), "tree", "ar").returncode != 0
 
 
+def test_paired_ratio_gives_the_mean_of_the_four_task_sets_where_a_run_holds_them(tmp_path, capsys):
+    def row(method, seconds):
+        return {"type": "sample", "sample_id": "a", "method": method, "turns": 1, "new_tokens": 10,
+                "wall_time_s": seconds, "ttft_s": 0.1, "token_latencies_s": [seconds / 10] * 10, "rounds": 0,
+                "drafted": 0, "accepted": 0, "drafted_per_position": [], "accepted_per_position": [],
+                "output_sha256": "x"}
+
+    fast = {"humaneval": 1.0, "gsm8k": 2.0, "mtbench": 4.0, "summarization": 5.0, "unseen": 1.0}  # over 4 s: 4, 2, 1, 0.8
+    for name, seconds in fast.items():
+        (tmp_path / "m" / name).mkdir(parents=True)
+        (tmp_path / "m" / name / "samples.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in (row("ours", seconds), row("ar", 4.0))))
+    p = _run(capsys, "paired-ratio", str(tmp_path / "m"), "ours", "ar")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "mean of four     ours over ar: 1.950x (humaneval, gsm8k, mtbench, summarization)" in p.stdout  # unseen left out
+    (tmp_path / "m" / "mtbench" / "samples.jsonl").unlink()
+    (tmp_path / "m" / "mtbench").rmdir()
+    assert "mean of four" not in _run(capsys, "paired-ratio", str(tmp_path / "m"), "ours", "ar").stdout
+
+
 def test_paired_ratio_rounds_prints_what_a_round_cost_in_plain_steps(tmp_path, capsys):
     def row(sample, method, rounds, drafted, draft_time, verify_time, plain_steps=0, step_time=0.0, copy_rounds=0):
         counters = {"method": method, "requests": 1, "new_tokens": 20, "rounds": rounds, "drafted": drafted,
