@@ -26,6 +26,7 @@ import random
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import product
 
 import torch
 
@@ -133,9 +134,16 @@ def stop_under(score: Callable[[Round, int], float], t: float) -> Rule:
     return rule
 
 
+def exit_below(threshold: Callable[[Round, int], float]) -> Rule:
+    """Stop after the first token drafted with probability under ``threshold(round, position)``."""
+    def rule(r: Round) -> int:
+        return next((j + 1 for j, p in enumerate(r.conf) if p < threshold(r, j)), len(r.conf))
+    return rule
+
+
 def by_copy(agreed: float, other: float) -> Rule:
     """The exit at ``agreed`` for a token a copy proposes too, at ``other`` for the rest."""
-    return stop_under(lambda r, j: r.conf[j] - (agreed if r.copy[j] > 0 else other), 0.0)
+    return exit_below(lambda r, j: agreed if r.copy[j] > 0 else other)
 
 
 def by_margin(t: float) -> Rule:
@@ -145,12 +153,12 @@ def by_margin(t: float) -> Rule:
 
 def rising(start: float, slope: float) -> Rule:
     """The exit at ``start + slope * j`` at position ``j``."""
-    return stop_under(lambda r, j: r.conf[j] - (start + slope * j), 0.0)
+    return exit_below(lambda r, j: start + slope * j)
 
 
 def by_round(feature: str, split: float, high: float, low: float) -> Rule:
     """The exit at ``high`` in rounds whose ``feature`` is at least ``split``, at ``low`` in the others."""
-    return stop_under(lambda r, j: r.conf[j] - (high if getattr(r, feature) >= split else low), 0.0)
+    return exit_below(lambda r, j: high if getattr(r, feature) >= split else low)
 
 
 def auc(scores: Sequence[float], right: Sequence[bool]) -> float:
@@ -173,7 +181,8 @@ def halves(rounds: Sequence[Round], seed: int) -> tuple[list[Round], list[Round]
 def held_out_auc(rounds: Sequence[Round], names: Sequence[str] | None, seed: int) -> float:
     """AUC of the draft's probability (``names`` None) or of a logistic model fitted on the other half."""
     scores, labels = [], []
-    for held, other in (halves(rounds, seed), halves(rounds, seed)[::-1]):
+    one, two = halves(rounds, seed)
+    for held, other in ((one, two), (two, one)):
         model = Logistic(other, names) if names else None
         for r, j, right in examples(held):
             scores.append(model(r, j) if model else r.conf[j])
@@ -183,26 +192,25 @@ def held_out_auc(rounds: Sequence[Round], names: Sequence[str] | None, seed: int
 
 def fitted_rules(price, grid: Sequence[float], prob_grid: Sequence[float]) -> dict[str, Callable[[list[Round]], Rule]]:
     """Each rule of this module as a fit: rounds -> the rule with its thresholds chosen on them by ``price``."""
-    def pair(rounds: list[Round], family: Callable[[float, float], Rule]) -> Rule:
-        a, b = max(((a, b) for a in grid for b in grid), key=lambda ab: price(rounds, family(*ab)))
-        return family(a, b)
+    def best(rounds: list[Round], family: Callable[..., Rule], *axes: Sequence[float]) -> Rule:
+        """``family`` at the arguments (one from each axis) that price best on ``rounds``."""
+        return family(*max(product(*axes), key=lambda args: price(rounds, family(*args))))
 
     def split(feature: str) -> Callable[[list[Round]], Rule]:
         def fit(rounds: list[Round]) -> Rule:
             at = sorted(getattr(r, feature) for r in rounds)[len(rounds) // 2]
-            return pair(rounds, lambda high, low: by_round(feature, at, high, low))
+            return best(rounds, lambda high, low: by_round(feature, at, high, low), grid, grid)
         return fit
 
     def learned(names: Sequence[str]) -> Callable[[list[Round]], Rule]:
         def fit(rounds: list[Round]) -> Rule:
             model = Logistic(rounds, names)
-            return stop_under(model, max(prob_grid, key=lambda t: price(rounds, stop_under(model, t))))
+            return best(rounds, lambda t: stop_under(model, t), prob_grid)
         return fit
 
     slopes = (-0.05, -0.025, 0.0, 0.025, 0.05, 0.075, 0.1)
-    return {"by the margin": lambda rs: by_margin(max(grid, key=lambda t: price(rs, by_margin(t)))),
-            "rising with the position": lambda rs: rising(*max(((a, b) for a in grid for b in slopes),
-                                                              key=lambda ab: price(rs, rising(*ab)))),
-            "by copy agreement": lambda rs: pair(rs, by_copy), "by the target's start": split("start"),
+    return {"by the margin": lambda rs: best(rs, by_margin, grid),
+            "rising with the position": lambda rs: best(rs, rising, grid, slopes),
+            "by copy agreement": lambda rs: best(rs, by_copy, grid, grid), "by the target's start": split("start"),
             "by the round before": split("before"), "learned, the draft's own": learned(OWN),
             "learned, all": learned(ALL)}

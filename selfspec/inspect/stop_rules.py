@@ -48,6 +48,7 @@ from selfspec.inspect.stop_features import (
     Rule,
     copy_proposals,
     copy_signs,
+    exit_below,
     fitted_rules,
     halves,
     held_out_auc,
@@ -105,9 +106,7 @@ def shares(table: list[tuple[int, int]]) -> list[float]:
 
 def first_under(thresholds: Sequence[float]) -> Rule:
     """Stop after the first token drafted with probability under its position's threshold (the last one repeats)."""
-    def rule(r: Round) -> int:
-        return next((j + 1 for j, p in enumerate(r.conf) if p < thresholds[min(j, len(thresholds) - 1)]), len(r.conf))
-    return rule
+    return exit_below(lambda r, j: thresholds[min(j, len(thresholds) - 1)])
 
 
 def fixed(t: float) -> Rule:
