@@ -23,7 +23,8 @@ other, both ways (``... fitted``, cross-validated): ``fixed``, ``prefix`` and ``
 priced by a cost model measured now, each round as a model-drafted chain of the length it drafts (predicted decode
 speedup over our AR on these rounds; copy rounds are left out). By the draft's probability in tenths it prints how
 many tokens were drafted there up to the round's first miss and the share of them the target took: how well the
-draft's probability tells its right tokens from its wrong ones.
+draft's probability tells its right tokens from its wrong ones. And, by the fixed exit's threshold, the share of the
+model's rounds that the target accepts whole (what a draft run ahead of the verify could count on).
 
 Then the rules that use more than the draft's probability (:mod:`selfspec.inspect.stop_features`: the margin over
 the 2nd-best token, a threshold moving with the position, agreement with a copy lookup, the target's probability of
@@ -129,6 +130,13 @@ def prefix_under(t: float, table: list[float] | None = None) -> Rule:
 
 def oracle(r: Round) -> int:
     return r.lead
+
+
+def whole_share(rounds: Sequence[Round], rule: Rule) -> float:
+    """The share of the rounds the model drafts (the rule drafts a token or more) that the target accepts whole."""
+    drafted = [(rule(r), r.lead) for r in rounds]
+    drafted = [(d, lead) for d, lead in drafted if d > 0]
+    return sum(d <= lead for d, lead in drafted) / len(drafted) if drafted else 0.0
 
 
 def counts_of(pairs: Sequence[tuple[Round, Rule]]) -> RoundCounts:
@@ -258,8 +266,11 @@ def main(argv: list[str] | None = None) -> None:
     for label, s in summary.items():
         print(label.ljust(30) + f"{s['decode_speedup']:>9.2f}x{s['decode_speedup'] / base:>20.3f}"
               f"{s['tokens_per_round']:>16.2f}{s['drafted']:>9}")
+    whole = {f"{t:g}": round(whole_share(rounds, fixed(t)), 4) for t in grid}
+    print("share of the model's rounds accepted whole, by the fixed exit's threshold: "
+          + ", ".join(f"{t} {w:.2f}" for t, w in whole.items()))
     outside = beyond_the_draft(rounds, price, grid, args.splits)
     record = {"study": name, "draft": args.draft, "spec": chain.describe(), "k": args.k, "tokens": args.tokens,
               "prompts": len(prompts), "rounds": len(rounds), "calibration": [list(x) for x in table],
-              "summary": summary, "outside": outside, "costs": costs.to_dict()}
+              "summary": summary, "accepted_whole": whole, "outside": outside, "costs": costs.to_dict()}
     append_row(args.out, record, echo=False)

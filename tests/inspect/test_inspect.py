@@ -124,6 +124,10 @@ def test_stop_rules_price_rules_on_the_draft_probabilities_against_the_oracle(tm
     # the calibration counts each round's tokens up to its first miss: its right ones are what the chain accepted
     right, seen = (sum(x[i] for x in record["calibration"]) for i in (1, 0))
     assert right == whole["accepted"] and right <= seen <= right + n
+    # rounds accepted whole: under 1 each drafts one token, accepted whole where it is right; a later exit drafts more
+    accepted_whole = record["accepted_whole"]
+    assert set(accepted_whole) == {"0", "0.3", "1"} and accepted_whole["1"] == pytest.approx(one["accepted"] / n, abs=1e-4)
+    assert 0 <= accepted_whole["0"] <= accepted_whole["0.3"] <= accepted_whole["1"] <= 1
     # the rules beyond the draft's probability, each over 2 halvings; the fixed exit's first is the fitted one above
     outside = record["outside"]
     assert set(outside["decode_speedup"]) == {"fixed", "by the margin", "rising with the position", "by copy agreement",

@@ -83,3 +83,13 @@ def test_target_probs_are_the_targets_probabilities_of_its_own_greedy_tokens(mak
         logits = model(torch.tensor([prompt + cont[:-1]])).logits[0, len(prompt) - 1 :].float()
     want = logits.softmax(-1).max(-1).values.tolist()  # greedy: each token is its step's most likely
     assert len(probs) == len(cont) and probs == pytest.approx(want, rel=1e-4)
+
+
+def test_whole_share_counts_the_model_rounds_the_target_accepts_whole():
+    from selfspec.inspect.stop_rules import whole_share
+
+    rounds = [Round(conf=(0.9, 0.9), lead=2), Round(conf=(0.9, 0.2), lead=1), Round(conf=(0.1,), lead=0)]
+    assert whole_share(rounds, lambda r: len(r.conf)) == pytest.approx(1 / 3)  # only the first round's two are right
+    assert whole_share(rounds, lambda r: 1) == pytest.approx(2 / 3)  # one token each: right in two rounds of three
+    assert whole_share(rounds, lambda r: 2 if r.lead else 0) == 0.5  # a plain step is no model round
+    assert whole_share(rounds, lambda r: 0) == 0.0

@@ -268,3 +268,25 @@ def test_row_attention_ab_renames_the_revision_s_namespaces_and_times_two_kernel
     other = script.time_kernels({"this": vnni.row_attention, "revision": lambda *a: torch.zeros(3, 4, 16).bfloat16()},
                                 4, 2, 16, 20, 3, reps=1, calls=2)
     assert not other["identical"]
+
+
+def test_two_cores_prices_a_pipelined_round_from_its_measured_parts(tmp_path):
+    from selfspec.draft.path import DraftOptions
+    from selfspec.draft.spec import DraftSpec
+    from selfspec.model.plan import SkipPlan
+
+    path = DraftSpec(SkipPlan(4), DraftOptions(weights="int4", group_size=32), k=2).save(tmp_path / "draft.json")
+    out = tmp_path / "two.jsonl"
+    p = _script("two_cores.py", "--model", "tiny-llama", "--draft", str(path), "--keys", "16", "--steps", "2", "--rows",
+                "3", "--seconds", "0.2", "--reps", "2", "--share", "0", "1", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    t = row["median_ms"]
+    assert set(t) == {"draft x2", "verify x2", "ar x2", "draft x1", "verify x1", "draft together", "verify together"}
+    assert all(len(v) == 2 and min(v) > 0 for v in row["runs_ms"].values())  # each configuration once a repetition
+    assert row["round_ms"] == pytest.approx(2 * t["draft x2"] + t["verify x2"], abs=0.1)
+    assert row["overlapped_ms"] == pytest.approx(max(2 * t["draft together"], t["verify together"]), abs=0.1)
+    # no round accepted whole: nothing overlaps; all of them: every round costs its overlapped parts
+    assert row["bound"]["0.0"] == 1.0
+    assert row["bound"]["1.0"] == pytest.approx(row["round_ms"] / row["overlapped_ms"], rel=0.01)
+    assert row["break_even_share"] is None or 0 <= row["break_even_share"] <= 1
