@@ -1,7 +1,7 @@
 """What drafting on one core while the other verifies could add: the bound of a pipelined round, from measured times.
 
     python scripts/two_cores.py [--draft results/plans/qwen2.5-coder-1.5b-zen4-exit.json] [--model M] [--keys 300] [--steps 7]
-        [--rows 8] [--seconds 15] [--reps 3] [--share 0.5 ...]
+        [--rows 8] [--seconds 15] [--reps 3] [--share 0.5 ...] [--threads N]
 
 A round drafts ``--steps`` tokens (one-row steps of the draft file's draft) and verifies them in one forward of
 ``--rows`` rows; decoding runs both on all the cores, one after the other. A pipeline would run them side by side, one
@@ -102,9 +102,10 @@ class Worker:
         self.proc.wait()
 
 
-def bound(t: dict, steps: int, share: float) -> float:
-    """The pipelined round's gain on the model's rounds, with foresight (module docstring)."""
-    now = steps * t["draft x2"] + t["verify x2"]
+def bound(t: dict, steps: int, share: float, cores: int) -> float:
+    """The pipelined round's gain on the model's rounds, with foresight (module docstring); ``t``: medians by
+    configuration (``draft x<cores>`` on all the cores)."""
+    now = steps * t[f"draft x{cores}"] + t[f"verify x{cores}"]
     return 1 / (1 - share * (1 - max(steps * t["draft together"], t["verify together"]) / now))
 
 
@@ -122,6 +123,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--share", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0],
                     help="shares of the model's rounds accepted whole, to price")
+    ap.add_argument("--threads", type=int, help="threads on all the cores (default: torch's count here)")
     ap.add_argument("--out", default="results/two_cores.jsonl")
     ap.add_argument("--worker", choices=ROLES, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -131,9 +133,12 @@ def main() -> None:
         ap.error("--steps, --rows and --reps must be at least 1, --seconds above 0")
     import torch
 
-    cores = torch.get_num_threads()
+    cores = args.threads or torch.get_num_threads()
+    if cores < 2:
+        raise SystemExit(f"two_cores.py compares all the cores with one core each of two: torch runs {cores} thread here "
+                         "(--threads sets how many)")
     workers = {role: Worker(role, args) for role in ROLES}
-    configs = ["draft x2", "verify x2", "ar x2", "draft x1", "verify x1", "together"]
+    configs = [f"draft x{cores}", f"verify x{cores}", f"ar x{cores}", "draft x1", "verify x1", "together"]
     runs: dict[str, list[float]] = {}
     try:
         for rep in range(args.reps):
@@ -152,14 +157,15 @@ def main() -> None:
         for w in workers.values():
             w.close()
     t = {k: statistics.median(v) for k, v in runs.items()}
-    now = args.steps * t["draft x2"] + t["verify x2"]
+    now = args.steps * t[f"draft x{cores}"] + t[f"verify x{cores}"]
     overlapped = max(args.steps * t["draft together"], t["verify together"])
-    missed = t["verify together"] + args.steps * t["draft x2"]
-    even = (missed - now) / (missed - overlapped) if missed > overlapped else None
-    even = even if even is not None and even <= 1 else None  # over 1: no share of rounds makes it pay
-    gains = {str(p): round(bound(t, args.steps, p), 4) for p in args.share}
-    print(f"a round now {now:.1f} ms ({args.steps} draft steps of {t['draft x2']:.1f} ms on {cores} cores, a verify of "
-          f"{args.rows} rows {t['verify x2']:.1f} ms; our AR's step {t['ar x2']:.1f} ms); overlapped on one core each "
+    missed = t["verify together"] + args.steps * t[f"draft x{cores}"]
+    # overlapping every round costs (1 - p) * missed + p * overlapped: the least share p where that is at most now
+    even = 0.0 if missed <= now else None if overlapped > now else (missed - now) / (missed - overlapped)
+    gains = {str(p): round(bound(t, args.steps, p, cores), 4) for p in args.share}
+    print(f"a round now {now:.1f} ms ({args.steps} draft steps of {t[f'draft x{cores}']:.1f} ms on {cores} cores, a "
+          f"verify of {args.rows} rows {t[f'verify x{cores}']:.1f} ms; our AR's step {t[f'ar x{cores}']:.1f} ms); "
+          "overlapped on one core each "
           f"{overlapped:.1f} ms (draft steps {t['draft together']:.1f} ms, the verify {t['verify together']:.1f} ms; "
           f"alone on one core {t['draft x1']:.1f} / {t['verify x1']:.1f} ms)")
     print("bound on the model's rounds, by the share accepted whole: " +

@@ -278,13 +278,14 @@ def test_two_cores_prices_a_pipelined_round_from_its_measured_parts(tmp_path):
     path = DraftSpec(SkipPlan(4), DraftOptions(weights="int4", group_size=32), k=2).save(tmp_path / "draft.json")
     out = tmp_path / "two.jsonl"
     p = _script("two_cores.py", "--model", "tiny-llama", "--draft", str(path), "--keys", "16", "--steps", "2", "--rows",
-                "3", "--seconds", "0.2", "--reps", "2", "--share", "0", "1", "--out", str(out))
+                "3", "--seconds", "0.2", "--reps", "2", "--share", "0", "1", "--threads", "2", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    t = row["median_ms"]
-    assert set(t) == {"draft x2", "verify x2", "ar x2", "draft x1", "verify x1", "draft together", "verify together"}
+    t, all_ = row["median_ms"], f"x{row['cores']}"  # on all the cores
+    assert set(t) == {f"draft {all_}", f"verify {all_}", f"ar {all_}", "draft x1", "verify x1", "draft together",
+                      "verify together"}
     assert all(len(v) == 2 and min(v) > 0 for v in row["runs_ms"].values())  # each configuration once a repetition
-    assert row["round_ms"] == pytest.approx(2 * t["draft x2"] + t["verify x2"], abs=0.1)
+    assert row["round_ms"] == pytest.approx(2 * t[f"draft {all_}"] + t[f"verify {all_}"], abs=0.1)
     assert row["overlapped_ms"] == pytest.approx(max(2 * t["draft together"], t["verify together"]), abs=0.1)
     # no round accepted whole: nothing overlaps; all of them: every round costs its overlapped parts
     assert row["bound"]["0.0"] == 1.0
