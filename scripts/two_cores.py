@@ -30,6 +30,7 @@ import sys
 import time
 
 ROLES = ("draft", "full")
+ROLE_OF = {"draft": "draft", "verify": "full", "ar": "full"}  # which worker times what
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"  # where neither --model nor the draft file names one
 
 
@@ -102,11 +103,10 @@ class Worker:
         self.proc.wait()
 
 
-def bound(t: dict, steps: int, share: float, cores: int) -> float:
-    """The pipelined round's gain on the model's rounds, with foresight (module docstring); ``t``: medians by
-    configuration (``draft x<cores>`` on all the cores)."""
-    now = steps * t[f"draft x{cores}"] + t[f"verify x{cores}"]
-    return 1 / (1 - share * (1 - max(steps * t["draft together"], t["verify together"]) / now))
+def bound(now: float, overlapped: float, share: float) -> float:
+    """The pipelined round's gain on the model's rounds, with foresight (module docstring): the ``share`` of them
+    accepted whole costs ``overlapped`` where a round costs ``now``."""
+    return 1 / (1 - share * (1 - overlapped / now))
 
 
 def main() -> None:
@@ -143,15 +143,14 @@ def main() -> None:
     try:
         for rep in range(args.reps):
             for name in rotated(configs, rep):
-                asks = [("draft", "draft"), ("full", "verify")] if name == "together" else \
-                    [("full" if name.split()[0] != "draft" else "draft", name.split()[0])]
-                threads = 1 if name == "together" or name.endswith("x1") else cores
-                for role, what in asks:
-                    workers[role].ask(what, threads, args.seconds)
-                for role, what in asks:
-                    ms = workers[role].reply()["ms"] / (args.steps if what == "draft" else 1)
-                    runs.setdefault(f"{what} together" if name == "together" else name, []).append(round(ms, 2))
-                done = [f"{what} together" if name == "together" else name for _, what in asks]
+                together = name == "together"
+                whats = ("draft", "verify") if together else (name.split()[0],)
+                for what in whats:
+                    workers[ROLE_OF[what]].ask(what, 1 if together or name.endswith("x1") else cores, args.seconds)
+                done = [f"{what} together" if together else name for what in whats]
+                for what, key in zip(whats, done):
+                    ms = workers[ROLE_OF[what]].reply()["ms"] / (args.steps if what == "draft" else 1)
+                    runs.setdefault(key, []).append(round(ms, 2))
                 print(f"{rep}: " + ", ".join(f"{k} {runs[k][-1]:.1f} ms" for k in done), flush=True)
     finally:
         for w in workers.values():
@@ -162,7 +161,7 @@ def main() -> None:
     missed = t["verify together"] + args.steps * t[f"draft x{cores}"]
     # overlapping every round costs (1 - p) * missed + p * overlapped: the least share p where that is at most now
     even = 0.0 if missed <= now else None if overlapped > now else (missed - now) / (missed - overlapped)
-    gains = {str(p): round(bound(t, args.steps, p, cores), 4) for p in args.share}
+    gains = {str(p): round(bound(now, overlapped, p), 4) for p in args.share}
     print(f"a round now {now:.1f} ms ({args.steps} draft steps of {t[f'draft x{cores}']:.1f} ms on {cores} cores, a "
           f"verify of {args.rows} rows {t[f'verify x{cores}']:.1f} ms; our AR's step {t[f'ar x{cores}']:.1f} ms); "
           "overlapped on one core each "
