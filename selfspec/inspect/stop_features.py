@@ -190,27 +190,36 @@ def held_out_auc(rounds: Sequence[Round], names: Sequence[str] | None, seed: int
     return auc(scores, labels)
 
 
-def fitted_rules(price, grid: Sequence[float], prob_grid: Sequence[float]) -> dict[str, Callable[[list[Round]], Rule]]:
-    """Each rule of this module as a fit: rounds -> the rule with its thresholds chosen on them by ``price``."""
-    def best(rounds: list[Round], family: Callable[..., Rule], *axes: Sequence[float]) -> Rule:
-        """``family`` at the arguments (one from each axis) that price best on ``rounds``."""
-        return family(*max(product(*axes), key=lambda args: price(rounds, family(*args))))
+Price = Callable[[Sequence[Round], Rule], float]  # rounds, a rule -> how well the rule does on them
 
+
+def best_args(price: Price, rounds: Sequence[Round], family: Callable[..., Rule], *axes: Sequence[float]) -> tuple:
+    """The arguments, one from each axis, at which ``family`` prices best on ``rounds`` (the first of equals)."""
+    return max(product(*axes), key=lambda args: price(rounds, family(*args)))
+
+
+def fit(price: Price, rounds: Sequence[Round], family: Callable[..., Rule], *axes: Sequence[float]) -> Rule:
+    """``family`` at its best arguments on ``rounds``."""
+    return family(*best_args(price, rounds, family, *axes))
+
+
+def fitted_rules(price: Price, grid: Sequence[float], prob_grid: Sequence[float]) -> dict[str, Callable[[list[Round]], Rule]]:
+    """Each rule of this module as a fit: rounds -> the rule with its thresholds chosen on them by ``price``."""
     def split(feature: str) -> Callable[[list[Round]], Rule]:
-        def fit(rounds: list[Round]) -> Rule:
+        def fitting(rounds: list[Round]) -> Rule:
             at = sorted(getattr(r, feature) for r in rounds)[len(rounds) // 2]
-            return best(rounds, lambda high, low: by_round(feature, at, high, low), grid, grid)
-        return fit
+            return fit(price, rounds, lambda high, low: by_round(feature, at, high, low), grid, grid)
+        return fitting
 
     def learned(names: Sequence[str]) -> Callable[[list[Round]], Rule]:
-        def fit(rounds: list[Round]) -> Rule:
+        def fitting(rounds: list[Round]) -> Rule:
             model = Logistic(rounds, names)
-            return best(rounds, lambda t: stop_under(model, t), prob_grid)
-        return fit
+            return fit(price, rounds, lambda t: stop_under(model, t), prob_grid)
+        return fitting
 
     slopes = (-0.05, -0.025, 0.0, 0.025, 0.05, 0.075, 0.1)
-    return {"by the margin": lambda rs: best(rs, by_margin, grid),
-            "rising with the position": lambda rs: best(rs, rising, grid, slopes),
-            "by copy agreement": lambda rs: best(rs, by_copy, grid, grid), "by the target's start": split("start"),
+    return {"by the margin": lambda rs: fit(price, rs, by_margin, grid),
+            "rising with the position": lambda rs: fit(price, rs, rising, grid, slopes),
+            "by copy agreement": lambda rs: fit(price, rs, by_copy, grid, grid), "by the target's start": split("start"),
             "by the round before": split("before"), "learned, the draft's own": learned(OWN),
             "learned, all": learned(ALL)}

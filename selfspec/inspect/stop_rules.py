@@ -47,9 +47,11 @@ from selfspec.inspect.stop_features import (
     Logistic,
     Round,
     Rule,
+    best_args,
     copy_proposals,
     copy_signs,
     exit_below,
+    fit,
     fitted_rules,
     halves,
     held_out_auc,
@@ -168,24 +170,21 @@ class Pricer:
     def speed(self, counts: RoundCounts) -> float:
         return self.costs.predicted_speedup(counts, self.spec)
 
-    def best(self, rounds: Sequence[Round], family: Callable[[float], Rule], grid: Sequence[float]) -> float:
-        return max(grid, key=lambda t: self(rounds, family(t)))
-
     def positions(self, rounds: Sequence[Round], k: int, grid: Sequence[float], sweeps: int = 2) -> list[float]:
         """One threshold per position, by coordinate ascent from the best single threshold."""
-        ts = [self.best(rounds, fixed, grid)] * k
+        ts = [*best_args(self, rounds, fixed, grid)] * k
         for _ in range(sweeps):
             for j in range(k):
                 ts[j] = max(grid, key=lambda t: self(rounds, first_under([*ts[:j], t, *ts[j + 1 :]])))
         return ts
 
 
-def cross_validated(rounds: list[Round], fit: Callable[[list[Round]], Rule], seed: int = 0) -> RoundCounts:
+def cross_validated(rounds: list[Round], fitting: Callable[[list[Round]], Rule], seed: int = 0) -> RoundCounts:
     """Each half's rounds drafted by the rule fitted on the other half."""
     pairs = []
     one, two = halves(rounds, seed)
     for held, other in ((one, two), (two, one)):
-        rule = fit(other)
+        rule = fitting(other)
         pairs += [(r, rule) for r in held]
     return counts_of(pairs)
 
@@ -193,9 +192,9 @@ def cross_validated(rounds: list[Round], fit: Callable[[list[Round]], Rule], see
 def beyond_the_draft(rounds: list[Round], price: Pricer, grid: Sequence[float], splits: int) -> dict:
     """The rules of :mod:`selfspec.inspect.stop_features`, each cross-validated over ``splits`` random halvings
     beside the fixed exit fitted on the same halves, and the held-out AUC of each set of features; printed."""
-    fits = {"fixed": lambda rs: fixed(price.best(rs, fixed, grid))} | fitted_rules(price, grid, [i / 20 for i in range(20)])
-    speeds = {label: [price.speed(cross_validated(rounds, fit, seed)) for seed in range(splits)]
-              for label, fit in fits.items()}
+    fits = {"fixed": lambda rs: fit(price, rs, fixed, grid)} | fitted_rules(price, grid, [i / 20 for i in range(20)])
+    speeds = {label: [price.speed(cross_validated(rounds, fitting, seed)) for seed in range(splits)]
+              for label, fitting in fits.items()}
     aucs = {label: [held_out_auc(rounds, names, seed) for seed in range(splits)]
             for label, names in (("the draft's probability", None), ("learned, the draft's own", OWN),
                                  ("learned, all", ALL))}
@@ -242,12 +241,12 @@ def main(argv: list[str] | None = None) -> None:
         "fixed": fixed, "prefix": prefix_under, "calibrated prefix": lambda t: prefix_under(t, in_sample)}
     rules = {f"{family} {t:g}": counts_of([(r, rule_of(t)) for r in rounds])
              for family, rule_of in families.items() for t in grid}
-    rules["fixed, fitted"] = cross_validated(rounds, lambda rs: fixed(price.best(rs, fixed, grid)))
-    rules["prefix, fitted"] = cross_validated(rounds, lambda rs: prefix_under(price.best(rs, prefix_under, grid)))
+    rules["fixed, fitted"] = cross_validated(rounds, lambda rs: fit(price, rs, fixed, grid))
+    rules["prefix, fitted"] = cross_validated(rounds, lambda rs: fit(price, rs, prefix_under, grid))
 
     def calibrated(rs: list[Round]) -> Rule:
         own = shares(calibration(rs))
-        return prefix_under(price.best(rs, lambda t: prefix_under(t, own), grid), own)
+        return fit(price, rs, lambda t: prefix_under(t, own), grid)
 
     rules["calibrated prefix, fitted"] = cross_validated(rounds, calibrated)
     rules["positions, fitted"] = cross_validated(rounds, lambda rs: first_under(price.positions(rs, args.k, grid)))
