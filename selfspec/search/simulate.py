@@ -70,6 +70,7 @@ from selfspec.search.rounds import (
     RoundCounts,
     decided,
     forward_key,
+    leading_agreements,
     model_round,
 )
 
@@ -124,7 +125,7 @@ class RoundSimulator:
         return DraftPath(self.model, spec.plan, spec.options, stop_ids=self.stop_ids)
 
     def simulate(self, spec: DraftSpec, path: DraftPath | None = None, prompts: Sequence[int] | None = None,
-                 oracle: bool = False, stop: bool = False) -> RoundCounts:
+                 oracle: bool = False, stop: bool = False, copy_inside: bool = False) -> RoundCounts:
         """Round counts of ``spec`` over the prompts (all of them, or the indices in ``prompts``).
 
         ``oracle``: every model-drafted round accepts all it drafted (copy rounds as simulated): the rounds
@@ -132,14 +133,18 @@ class RoundSimulator:
         tree of that depth over this draft can accept (the bound :mod:`scripts.tree_bound` reports).
         ``stop``: every model-drafted chain stops where the target's continuation does, drafting the tokens it
         will accept and no more (a round that would accept none takes a plain step): the most any rule that
-        decides when to stop drafting can save over this draft at its depth."""
+        decides when to stop drafting can save over this draft at its depth.
+        ``copy_inside``: a model-drafted chain turns to copying at the first of its tokens, while they agree with the
+        target, after which the context's last n tokens have an earlier occurrence: the round keeps the draft's tokens
+        so far and the copy (or the draft's own, where they accept more), and is booked as a model round of the
+        tokens drafted before the copy, its verify as wide as theirs: the most copying from inside a round can save."""
         path = path or self.draft_path(spec)
         rows = list(prompts) if prompts is not None else list(range(len(self.prompts)))
         memo = self.memo.setdefault(forward_key(spec), {})
         total = RoundCounts()
         heads = None
         with torch.inference_mode(), packed_weights(self.model), decode_attention(self.model):
-            replays = {b: self._replay(spec, b, oracle, stop) for b in rows}
+            replays = {b: self._replay(spec, b, oracle, stop, copy_inside) for b in rows}
             pending: dict[int, tuple[int, int, bool]] = {}  # prompt -> the round (i, k, lazy) it waits on
             sent: dict[int, tuple[int, int]] = {}  # prompt -> (i, positions) last sent to its replay
             held: dict[int, tuple[int, int]] = {}  # prompt -> (i, positions) whose keys/values its scratch holds
@@ -249,7 +254,8 @@ class RoundSimulator:
         return logits
 
     def _replay(self, spec: DraftSpec, index: int,
-                oracle: bool = False, stop: bool = False) -> Generator[tuple[int, int, bool], Drafted, RoundCounts]:
+                oracle: bool = False, stop: bool = False,
+                copy_inside: bool = False) -> Generator[tuple[int, int, bool], Drafted, RoundCounts]:
         """The rounds of one prompt, as the loop runs them; yields ``(i, k, lazy)`` for each model-drafted
         round and is sent the draft's outputs over the first positions of ``c[i:i+k]`` (:class:`Drafted`); it
         yields the same round again while those do not decide it (all ``k`` positions, or with ``lazy`` a
@@ -308,6 +314,14 @@ class RoundSimulator:
                         drafted_out, c, i, k, threshold, branch, opts.tree_nodes, copies)
                 if oracle:
                     accepted = depth
+                elif copy_inside and ngram is not None and nodes <= modelled:
+                    for j in range(1, min(accepted, modelled) + 1):  # the draft's tokens so far are the target's
+                        ngram.extend(c[len(ngram.tokens) - P : i + 1 + j])
+                        found = ngram.propose(min(opts.copy_limit(k), room - j))
+                        if found:
+                            accepted = max(accepted, j + leading_agreements(found, c[i + 1 + j :]))
+                            modelled = depth = nodes = j
+                            break
                 elif stop and nodes <= modelled and accepted < modelled:  # a chain drafts what it will accept
                     if not accepted:
                         out.plain_steps += 1

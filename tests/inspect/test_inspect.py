@@ -10,6 +10,7 @@ import pytest
 
 from selfspec.draft.spec import DraftSpec
 from selfspec.inspect import main as inspect_main
+from selfspec.search.rounds import RoundCounts
 from tests.helpers import ROOT, run_main
 
 
@@ -144,7 +145,8 @@ def test_stop_rules_price_rules_on_the_draft_probabilities_against_the_oracle(tm
 def test_route_bounds_price_each_route_on_the_drafts_own_rounds(tmp_path, capsys, tiny_study):
     out, plan = tmp_path / "routes.jsonl", tmp_path / "int4.json"
     draft = json.loads((tiny_study.parent / "plans" / "tiny-llama-default.json").read_text())
-    draft["options"] |= {"weights": "int4", "group_size": 32}  # int4 layers: the routes of fewer bits apply
+    # int4 layers: the routes of fewer bits apply; copies of 2-grams: copying from inside a round does
+    draft["options"] |= {"weights": "int4", "group_size": 32, "ngram": 2, "copy_tokens": 4}
     plan.write_text(json.dumps(draft))
     p = _run(capsys, "route-bounds", str(tiny_study), "--name", "tiny-llama-default", "--draft", str(plan), "--tokens",
              "12", "--groups", "--levels", "0.5", "--contexts", "40", "--top", "8", "--keep", "0.5", "--dtype", "float32",
@@ -153,6 +155,10 @@ def test_route_bounds_price_each_route_on_the_drafts_own_rounds(tmp_path, capsys
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     routes, n = record["summary"], json.loads(plan.read_text())["num_layers"]
     assert {"as found", "exit oracle", "second level 0.5", "context 40", "context 40 no attention"} <= set(routes)
+    inside = {g: RoundCounts.from_dict(c) for g, c in record["copy_inside_counts"].items()}
+    found = {g: RoundCounts.from_dict(c) for g, c in record["counts"].items()}
+    assert routes["copies inside a round"] > 0 and inside["all"].tokens == found["all"].tokens
+    assert inside["all"].model_drafted <= found["all"].model_drafted
     assert 1 / n <= record["exit_fraction"]["all"] <= 1.0
     assert routes["exit oracle"] >= routes["as found"] * 0.999  # its layers cost at most what they cost
     assert routes["context 40 no attention"] >= routes["context 40"] * 0.999

@@ -202,3 +202,19 @@ def test_the_stopping_oracle_drafts_exactly_what_the_target_accepts(make_model, 
         assert stop.accepted == stop.drafted
     assert stop.copy_rounds == real.copy_rounds  # copies as the draft makes them
     assert stop.plain_steps - real.plain_steps == real.model_rounds.total() - stop.model_rounds.total() > 0
+
+
+@pytest.mark.parametrize("name", ["copy", "skip_k5"])
+def test_copying_from_inside_a_round_keeps_the_tokens_and_drafts_no_more(make_model, name):
+    """Turning to a copy inside a model chain emits the same tokens and drafts fewer with the model where the
+    continuations repeat the prompts' n-grams; a draft that copies nothing is unchanged."""
+    model = make_model("llama", torch.float64)
+    spec = SPECS[name]
+    conts = _continuations(model, 30)
+    sim = RoundSimulator(model, PROMPTS, conts)
+    real, inside = sim.simulate(spec), sim.simulate(spec, copy_inside=True)
+    assert inside.tokens == real.tokens
+    if not spec.options.ngram:
+        assert inside.to_dict() == real.to_dict()
+        return
+    assert inside.model_drafted < real.model_drafted
