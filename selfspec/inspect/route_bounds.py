@@ -30,10 +30,10 @@ bounds its route from above. Prices come from a cost model measured now, on the 
   the channels free), no acceptance lost. ``MLP keep f, simulated``: the same price for the draft with
   ``mlp_keep: f``, simulated: what the sparsity costs in acceptance (a measurement, through the modules rather than
   the fused calls, which round otherwise).
-- ``copies inside a round``: a model-drafted chain turns to copying from the context at the first of its tokens
-  after which the last n tokens occurred before (the draft's copy options), while its tokens agree with the target:
-  simulated, each such round keeping the better of the copy and the draft and priced as the draft steps before the
-  copy with their verify alone (``RoundSimulator.simulate``'s ``copy_inside``), so a bound.
+- ``copies inside a round, simulated``: a model-drafted chain turns to copying from the context at the first of
+  its tokens after which the last n tokens occurred before (the draft's copy options), the draft's tokens so far
+  and the copy verified as one chain (``RoundSimulator.simulate``'s ``copy_inside``). Not a bound: what that policy
+  would do on these rounds, at the cost model's prices.
 - ``skip everything``: every sublayer of the draft skipped at no acceptance lost (the draft step costs its
   embedding, norms, head and loop overhead): the most layer skipping can save over this draft.
 - ``skips of F``: the draft with the sublayers the draft file ``F`` skips (its attention ones, its MLP ones, both),
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         for label, d in skipped.items():
             routes.setdefault(label, {})[g] = costs.predicted_speedup(skip_counts[label][g], d)
         if inside:
-            routes.setdefault("copies inside a round", {})[g] = costs.predicted_speedup(inside[g], spec)
+            routes.setdefault("copies inside a round, simulated", {})[g] = costs.predicted_speedup(inside[g], spec)
         routes["exit oracle"][g] = with_layer_costs(costs, fmt, exit_frac[g]).predicted_speedup(counts[g], spec)
         for f in args.levels:
             routes.setdefault(f"second level {f:g}", {})[g] = second_level(costs, counts[g], spec, f)

@@ -135,9 +135,11 @@ class RoundSimulator:
         will accept and no more (a round that would accept none takes a plain step): the most any rule that
         decides when to stop drafting can save over this draft at its depth.
         ``copy_inside``: a model-drafted chain turns to copying at the first of its tokens, while they agree with the
-        target, after which the context's last n tokens have an earlier occurrence: the round keeps the draft's tokens
-        so far and the copy (or the draft's own, where they accept more), and is booked as a model round of the
-        tokens drafted before the copy, its verify as wide as theirs: the most copying from inside a round can save."""
+        target, after which the context's last n tokens have an earlier occurrence: the round verifies the draft's
+        tokens so far and the copy as one chain, booked with the tree rounds (``(drafted, nodes)``, a verify of all
+        their tokens after the model's draft steps). Exact for that policy where a round turns before its first miss;
+        past a miss, where the policy could turn too, the round stays the draft's chain (it accepts the same tokens
+        either way, drafted and verified otherwise)."""
         path = path or self.draft_path(spec)
         rows = list(prompts) if prompts is not None else list(range(len(self.prompts)))
         memo = self.memo.setdefault(forward_key(spec), {})
@@ -318,9 +320,10 @@ class RoundSimulator:
                     for j in range(1, min(accepted, modelled) + 1):  # the draft's tokens so far are the target's
                         ngram.extend(c[len(ngram.tokens) - P : i + 1 + j])
                         found = ngram.propose(min(opts.copy_limit(k), room - j))
-                        if found:
-                            accepted = max(accepted, j + leading_agreements(found, c[i + 1 + j :]))
-                            modelled = depth = nodes = j
+                        if found:  # j model tokens, then the copy: verified as one chain of their tokens
+                            accepted = j + leading_agreements(found, c[i + 1 + j :])
+                            modelled, nodes = j, j + len(found)
+                            depth = nodes
                             break
                 elif stop and nodes <= modelled and accepted < modelled:  # a chain drafts what it will accept
                     if not accepted:
