@@ -319,7 +319,8 @@ class RoundSimulator:
                 elif copy_inside and ngram is not None and nodes <= modelled:
                     for j in range(1, min(accepted, modelled) + 1):  # the draft's tokens so far are the target's
                         ngram.extend(c[len(ngram.tokens) - P : i + 1 + j])
-                        found = ngram.propose(min(opts.copy_limit(k), room - j))
+                        # a copy as long as a round's copy, the round no wider than the widest verify the loop makes
+                        found = ngram.propose(min(opts.copy_limit(k), opts.longest_verify(k) - j, room - j))
                         if found:  # j model tokens, then the copy: verified as one chain of their tokens
                             accepted = j + leading_agreements(found, c[i + 1 + j :])
                             modelled, nodes = j, j + len(found)
