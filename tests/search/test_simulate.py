@@ -205,7 +205,7 @@ def test_the_stopping_oracle_drafts_exactly_what_the_target_accepts(make_model, 
 
 
 @pytest.mark.parametrize("name", ["copy", "skip_k5"])
-def test_copying_from_inside_a_round_keeps_the_tokens_and_drafts_no_more(make_model, name):
+def test_copying_from_inside_a_round_keeps_the_tokens_and_drafts_less(make_model, name):
     """Turning to a copy inside a model chain emits the same tokens and drafts fewer with the model where the
     continuations repeat the prompts' n-grams; a draft that copies nothing is unchanged."""
     model = make_model("llama", torch.float64)
@@ -218,3 +218,7 @@ def test_copying_from_inside_a_round_keeps_the_tokens_and_drafts_no_more(make_mo
         assert inside.to_dict() == real.to_dict()
         return
     assert inside.model_drafted < real.model_drafted
+    # each turned round: its model tokens, then the copy, verified as one chain no wider than the loop's widest
+    assert real.tree_rounds.total() == 0 < inside.tree_rounds.total()
+    widest = spec.options.longest_verify(spec.k)
+    assert all(1 <= m < nodes <= widest for m, nodes in inside.tree_rounds)
