@@ -190,12 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     conts = ar_continuations(lm, prompts, args.tokens)
     sim = RoundSimulator(lm.model, prompts, conts, lm.eos_ids)
 
-    def simulated(label: str, d: DraftSpec) -> dict[str, RoundCounts]:  # ``d``'s rounds, per group of prompts
+    def simulated(label: str, d: DraftSpec, copy_inside: bool = False) -> dict[str, RoundCounts]:
+        """``d``'s rounds, per group of prompts."""
         print(f"simulating {label}", file=sys.stderr, flush=True)
-        return {g: sim.simulate(d, prompts=idx) for g, idx in groups}
+        return {g: sim.simulate(d, prompts=idx, copy_inside=copy_inside) for g, idx in groups}
 
     counts = simulated("the draft's rounds", spec)
-    inside = {g: sim.simulate(spec, prompts=idx, copy_inside=True) for g, idx in groups} if spec.options.ngram else {}
+    inside = simulated("copies inside a round", spec, copy_inside=True) if spec.options.ngram else {}
     n = spec.plan.num_layers
     skipped: dict[str, DraftSpec] = {}
     for f in args.skips:
